@@ -1,0 +1,362 @@
+"""Chip catalog: the four Cloud TPU generations of paper Table 2 (NPU-A/B/C/D) and user chips.
+
+All quantities are SI (FLOP/s, bytes, bytes/s, W, J) and every number carries its source.
+
+Energy model (paper Fig. 8b). A chip's energy for a piece of work is
+
+    E = flops * e_flop_j + hbm_bytes * e_hbm_j_per_byte + ici_bytes * e_ici_j_per_byte
+        + static_power_w * time_s
+
+Table 2's "Max TFLOP/J" and "Max HBM GB/J" are the paper's *modelled* peak efficiencies (marked
+"*" there: inferred, not disclosed). We take them as the efficiency of a chip running flat out on
+the respective unit with everything else idle, static power included:
+
+    1 / max_flop_per_j  = e_flop_j         + static_power_w / peak_flops_per_s
+    1 / max_bytes_per_j = e_hbm_j_per_byte + static_power_w / hbm_bw_bytes_per_s
+
+so the catalog reproduces Table 2 exactly at both ends of the energy roofline and the curve in
+between follows from the two per-unit energies. Two equations, three unknowns: we fix the HBM
+access energy at 3.9 pJ/bit (HBM2-class DRAM access + I/O energy, O'Connor et al., "Fine-Grained
+DRAM", MICRO 2017, Table 1 / Fig. 1) and derive static power from it; e_flop follows. The derived
+static powers (63-92 W per chip) are estimates; for scale, Cloud TPU's v4 documentation gives
+192 W maximum chip power, so v4's derived 71 W static is 37 % of its maximum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from .errors import NeuScaleError
+
+TERA = 1e12
+GIGA = 1e9
+
+# HBM2/HBM2E access energy: 3.9 pJ/bit (O'Connor et al., MICRO 2017). Used only to split Table 2's
+# HBM-roofline power into a dynamic and a static part (see module docstring).
+HBM_ACCESS_J_PER_BYTE = 3.9e-12 * 8
+# ICI link energy: ~4 pJ/bit for short-reach electrical/optical SerDes. An assumption (order of
+# magnitude of published SerDes energies), not a vendor figure; the paper does not give one.
+ICI_J_PER_BYTE_DEFAULT = 4e-12 * 8
+# ICI per-hop (per ring step) latency including synchronisation: 1 us. An assumption of the
+# order of published TPU ICI latencies, not a vendor figure.
+ICI_HOP_LATENCY_S_DEFAULT = 1e-6
+
+
+@dataclass(frozen=True)
+class ChipSpec:
+    """One chip version. Field names carry units; all values SI."""
+
+    name: str                       # Cloud TPU version name: v4, v5e, v5p, v6e
+    aliases: tuple[str, ...]        # paper names (NPU-A, ...) and other spellings
+    release_year: int
+    process_node_nm: int
+    peak_flops_per_s: float         # bf16 dense
+    max_flop_per_j: float           # Table 2 "Max TFLOP/Joule" (modelled)
+    systolic_width: int             # systolic array width (elements)
+    sram_bytes: float               # on-chip SRAM (CMEM/VMEM) capacity
+    hbm_bw_bytes_per_s: float
+    hbm_bytes: float
+    hbm_type: str
+    max_hbm_bytes_per_j: float      # Table 2 "Max HBM GB/Joule" (modelled)
+    ici_link_bw_bytes_per_s: float  # per link, per direction
+    ici_links_per_chip: int
+    torus_dims: int                 # 2 or 3
+    dcn_bw_bytes_per_s: float       # data-centre network bandwidth per chip
+    max_chips_per_pod: int
+    max_dim_chips: int              # largest power-of-two extent of one torus dimension
+    wrap_min_dim: int               # a slice has torus wrap-around links iff every dim >= this
+    chips_per_host: int
+    accelerator_prefix: str         # Cloud TPU accelerator-type prefix (v4, v5litepod, v5p, v6e)
+    accelerator_count_unit: str     # "cores" (v4/v5p: N = TensorCores = 2/chip) or "chips"
+    price_usd_per_chip_hour: float  # on-demand, us-central
+    static_power_w: float           # idle/static power per chip (see module docstring)
+    ici_j_per_byte: float = ICI_J_PER_BYTE_DEFAULT
+    ici_hop_latency_s: float = ICI_HOP_LATENCY_S_DEFAULT
+    min_slice_chips: int = 1        # smallest slice Cloud TPU sells of this version
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    # ---- derived per-unit energies (Fig. 8b) -------------------------------------------------
+    @property
+    def e_flop_j(self) -> float:
+        return 1.0 / self.max_flop_per_j - self.static_power_w / self.peak_flops_per_s
+
+    @property
+    def e_hbm_j_per_byte(self) -> float:
+        return 1.0 / self.max_hbm_bytes_per_j - self.static_power_w / self.hbm_bw_bytes_per_s
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    def accelerator_type(self, num_chips: int) -> str:
+        """Cloud TPU accelerator-type name for a slice of ``num_chips`` (e.g. v5p-8 = 4 chips)."""
+        per_chip = 2 if self.accelerator_count_unit == "cores" else 1
+        return f"{self.accelerator_prefix}-{num_chips * per_chip}"
+
+    def validate(self) -> None:
+        problems = []
+        positive = [
+            "peak_flops_per_s", "max_flop_per_j", "sram_bytes", "hbm_bw_bytes_per_s",
+            "hbm_bytes", "max_hbm_bytes_per_j", "ici_link_bw_bytes_per_s", "dcn_bw_bytes_per_s",
+            "price_usd_per_chip_hour", "ici_j_per_byte", "ici_hop_latency_s",
+        ]
+        for name in positive:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                problems.append(f"{name} must be a positive number (got {v!r})")
+        if self.torus_dims not in (2, 3):
+            problems.append(f"torus_dims must be 2 or 3 (got {self.torus_dims!r})")
+        for name in ("systolic_width", "ici_links_per_chip", "max_chips_per_pod", "max_dim_chips",
+                     "wrap_min_dim", "chips_per_host", "min_slice_chips"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                problems.append(f"{name} must be a positive integer (got {v!r})")
+        if self.accelerator_count_unit not in ("cores", "chips"):
+            problems.append("accelerator_count_unit must be 'cores' or 'chips'")
+        if not problems:
+            if self.static_power_w < 0:
+                problems.append("static_power_w must be >= 0")
+            if self.e_flop_j <= 0:
+                problems.append(
+                    f"static_power_w={self.static_power_w} W exceeds the chip's power at peak "
+                    f"compute ({self.peak_flops_per_s / self.max_flop_per_j:.1f} W): lower it")
+            if self.e_hbm_j_per_byte <= 0:
+                problems.append(
+                    f"static_power_w={self.static_power_w} W exceeds the chip's power at peak "
+                    f"HBM bandwidth ({self.hbm_bw_bytes_per_s / self.max_hbm_bytes_per_j:.1f} W): "
+                    "lower it")
+        if problems:
+            raise NeuScaleError(f"chip {self.name!r}: " + "; ".join(problems))
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["aliases"] = list(self.aliases)
+        d["sources"] = dict(self.sources)
+        return d
+
+
+def static_power_from_table2(hbm_bw_bytes_per_s: float, max_hbm_bytes_per_j: float) -> float:
+    """Static power implied by Table 2's HBM roofline and the HBM access energy (docstring)."""
+    return hbm_bw_bytes_per_s / max_hbm_bytes_per_j - HBM_ACCESS_J_PER_BYTE * hbm_bw_bytes_per_s
+
+
+_T2 = "paper Table 2"
+_PRICE = "Cloud TPU pricing page, on-demand, us-central (USD per chip-hour)"
+_HOST = "Cloud TPU system architecture docs (chips per host VM)"
+_ACC = "Cloud TPU docs, accelerator types (v4/v5p count TensorCores, 2 per chip; v5e/v6e count chips)"
+_WRAP = ("Cloud TPU docs: v4/v5p slices made of whole 4x4x4 cubes get wrap-around (torus) links; "
+         "v5e/v6e only the full 16x16 pod")
+
+
+def _builtin(**kw: Any) -> ChipSpec:
+    kw.setdefault("static_power_w",
+                  static_power_from_table2(kw["hbm_bw_bytes_per_s"], kw["max_hbm_bytes_per_j"]))
+    return ChipSpec(**kw)
+
+
+BUILTIN_CHIPS: tuple[ChipSpec, ...] = (
+    _builtin(
+        name="v4", aliases=("NPU-A", "tpu-v4", "tpuv4"),
+        release_year=2021, process_node_nm=7,                       # Table 2
+        peak_flops_per_s=275 * TERA,                                # Table 2: 275 TFLOPS bf16
+        max_flop_per_j=1.07 * TERA,                                 # Table 2 (modelled, "*")
+        systolic_width=128,                                         # Table 2
+        sram_bytes=128e6,                                           # Table 2: 128 MB
+        hbm_bw_bytes_per_s=1200 * GIGA,                             # Table 2: 1200 GB/s
+        hbm_bytes=32e9, hbm_type="HBM2",                            # Table 2: 32 GB
+        max_hbm_bytes_per_j=11.06 * GIGA,                           # Table 2 (modelled, "*")
+        ici_link_bw_bytes_per_s=50 * GIGA, ici_links_per_chip=6,    # Table 2
+        torus_dims=3,                                               # Table 2: 3D
+        dcn_bw_bytes_per_s=5 * GIGA / 8,                            # Table 2: 5 Gbps/chip
+        max_chips_per_pod=4096,                                     # Table 2
+        max_dim_chips=16,                                           # 16x16x16 pod (4096 chips)
+        wrap_min_dim=4,                                             # _WRAP
+        chips_per_host=4,                                           # _HOST
+        accelerator_prefix="v4", accelerator_count_unit="cores",    # _ACC (v4-8 = 4 chips)
+        min_slice_chips=4,                                          # _ACC: smallest is v4-8
+        price_usd_per_chip_hour=3.22,                               # _PRICE
+        sources={"specs": _T2, "price": _PRICE, "host": _HOST, "naming": _ACC, "wrap": _WRAP},
+    ),
+    _builtin(
+        name="v5e", aliases=("NPU-B", "v5litepod", "tpu-v5e", "tpuv5e", "tpu-v5-lite-podslice"),
+        release_year=2023, process_node_nm=7,                       # Table 2 ("*" inferred)
+        peak_flops_per_s=197 * TERA,                                # Table 2: 197 TFLOPS bf16
+        max_flop_per_j=0.72 * TERA,                                 # Table 2 (modelled)
+        systolic_width=128,                                         # Table 2
+        sram_bytes=64e6,                                            # Table 2: 64 MB (inferred)
+        hbm_bw_bytes_per_s=819 * GIGA,                              # Table 2: 819 GB/s
+        hbm_bytes=16e9, hbm_type="HBM2E",                           # Table 2: 16 GB
+        max_hbm_bytes_per_j=6.94 * GIGA,                            # Table 2 (modelled)
+        ici_link_bw_bytes_per_s=50 * GIGA, ici_links_per_chip=4,    # Table 2
+        torus_dims=2,                                               # Table 2: 2D
+        dcn_bw_bytes_per_s=50 * GIGA / 8,                           # Table 2: 50 Gbps/chip
+        max_chips_per_pod=256,                                      # Table 2
+        max_dim_chips=16,                                           # 16x16 pod
+        wrap_min_dim=16,                                            # _WRAP
+        chips_per_host=8,                                           # _HOST
+        accelerator_prefix="v5litepod", accelerator_count_unit="chips",  # _ACC
+        price_usd_per_chip_hour=1.20,                               # _PRICE
+        sources={"specs": _T2, "price": _PRICE, "host": _HOST, "naming": _ACC, "wrap": _WRAP},
+    ),
+    _builtin(
+        name="v5p", aliases=("NPU-C", "tpu-v5p", "tpuv5p"),
+        release_year=2023, process_node_nm=7,                       # Table 2 ("*" inferred)
+        peak_flops_per_s=459 * TERA,                                # Table 2: 459 TFLOPS bf16
+        max_flop_per_j=1.16 * TERA,                                 # Table 2 (modelled)
+        systolic_width=128,                                         # Table 2
+        sram_bytes=128e6,                                           # Table 2 (inferred)
+        hbm_bw_bytes_per_s=2765 * GIGA,                             # Table 2: 2765 GB/s
+        hbm_bytes=95e9, hbm_type="HBM2E",                           # Table 2: 95 GB
+        max_hbm_bytes_per_j=18.51 * GIGA,                           # Table 2 (modelled)
+        ici_link_bw_bytes_per_s=100 * GIGA, ici_links_per_chip=6,   # Table 2
+        torus_dims=3,                                               # Table 2: 3D
+        dcn_bw_bytes_per_s=50 * GIGA / 8,                           # Table 2: 50 Gbps/chip
+        max_chips_per_pod=6144,                                     # Table 2 (16x16x24)
+        max_dim_chips=16,                                           # largest power of two <= 24
+        wrap_min_dim=4,                                             # _WRAP
+        chips_per_host=4,                                           # _HOST
+        accelerator_prefix="v5p", accelerator_count_unit="cores",   # _ACC (v5p-8 = 4 chips)
+        min_slice_chips=4,                                          # _ACC: smallest is v5p-8
+        price_usd_per_chip_hour=4.20,                               # _PRICE
+        sources={"specs": _T2, "price": _PRICE, "host": _HOST, "naming": _ACC, "wrap": _WRAP},
+    ),
+    _builtin(
+        name="v6e", aliases=("NPU-D", "trillium", "tpu-v6e", "tpuv6e"),
+        release_year=2024, process_node_nm=4,                       # Table 2 ("*" inferred)
+        peak_flops_per_s=918 * TERA,                                # Table 2: 918 TFLOPS bf16
+        max_flop_per_j=3.50 * TERA,                                 # Table 2 (modelled)
+        systolic_width=256,                                         # Table 2
+        sram_bytes=128e6,                                           # Table 2 (inferred)
+        hbm_bw_bytes_per_s=1640 * GIGA,                             # Table 2: 1640 GB/s
+        hbm_bytes=32e9, hbm_type="HBM2E",                           # Table 2: 32 GB
+        max_hbm_bytes_per_j=13.52 * GIGA,                           # Table 2 (modelled)
+        ici_link_bw_bytes_per_s=112 * GIGA, ici_links_per_chip=4,   # Table 2
+        torus_dims=2,                                               # Table 2: 2D
+        dcn_bw_bytes_per_s=100 * GIGA / 8,                          # Table 2: 100 Gbps/chip
+        max_chips_per_pod=256,                                      # Table 2
+        max_dim_chips=16,                                           # 16x16 pod
+        wrap_min_dim=16,                                            # _WRAP
+        chips_per_host=8,                                           # _HOST
+        accelerator_prefix="v6e", accelerator_count_unit="chips",   # _ACC
+        price_usd_per_chip_hour=2.70,                               # _PRICE
+        sources={"specs": _T2, "price": _PRICE, "host": _HOST, "naming": _ACC, "wrap": _WRAP},
+    ),
+)
+
+
+class Catalog:
+    """A set of chips addressable by name or alias (case-insensitive)."""
+
+    def __init__(self, chips: Iterable[ChipSpec] = BUILTIN_CHIPS):
+        self._chips: dict[str, ChipSpec] = {}
+        self._names: dict[str, str] = {}
+        for c in chips:
+            self.add(c)
+
+    def add(self, chip: ChipSpec) -> None:
+        chip.validate()
+        for n in chip.all_names:
+            owner = self._names.get(n.lower())
+            if owner is not None and owner != chip.name:
+                raise NeuScaleError(f"chip name {n!r} is already used by chip {owner!r}")
+        self._chips[chip.name] = chip
+        for n in chip.all_names:
+            self._names[n.lower()] = chip.name
+
+    def get(self, name: str) -> ChipSpec:
+        key = self._names.get(str(name).strip().lower())
+        if key is None:
+            raise NeuScaleError(
+                f"unknown chip {name!r}; known chips: {', '.join(self.names())} "
+                "(add one with --chip-file FILE.json|yaml)")
+        return self._chips[key]
+
+    def resolve(self, names: Iterable[str] | str | None) -> list[ChipSpec]:
+        if names is None:
+            return list(self._chips.values())
+        if isinstance(names, str):
+            names = [n for n in names.split(",") if n.strip()]
+        out: list[ChipSpec] = []
+        for n in names:
+            c = self.get(n)
+            if c not in out:
+                out.append(c)
+        if not out:
+            raise NeuScaleError("no chips selected; pass e.g. --chips v4,v5e,v5p,v6e")
+        return out
+
+    def names(self) -> list[str]:
+        return list(self._chips)
+
+    def __iter__(self):
+        return iter(self._chips.values())
+
+    def __len__(self) -> int:
+        return len(self._chips)
+
+    def fingerprint(self) -> str:
+        blob = json.dumps([c.to_json() for c in self], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_CHIP_FIELDS = {f.name for f in fields(ChipSpec)}
+
+
+def chip_from_mapping(d: Mapping[str, Any], origin: str = "chip file") -> ChipSpec:
+    """Build a chip from a mapping whose keys are ChipSpec fields (static_power_w optional)."""
+    unknown = set(d) - _CHIP_FIELDS
+    if unknown:
+        raise NeuScaleError(f"{origin}: unknown chip field(s) {sorted(unknown)}; "
+                            f"valid fields: {sorted(_CHIP_FIELDS)}")
+    required = {f.name for f in fields(ChipSpec)
+                if f.default is f.default_factory is __import__("dataclasses").MISSING}
+    required.discard("static_power_w")
+    missing = required - set(d)
+    if missing:
+        raise NeuScaleError(f"{origin}: chip {d.get('name', '?')!r} is missing field(s) "
+                            f"{sorted(missing)}")
+    kw = dict(d)
+    kw["aliases"] = tuple(kw.get("aliases") or ())
+    kw["sources"] = dict(kw.get("sources") or {"specs": origin})
+    try:
+        return _builtin(**kw)
+    except TypeError as e:  # pragma: no cover - guarded by the field checks above
+        raise NeuScaleError(f"{origin}: {e}") from None
+
+
+def load_chip_file(path: str | Path) -> list[ChipSpec]:
+    """Read one chip or a list of chips (``{"chips": [...]}`` also accepted) from JSON or YAML."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise NeuScaleError(f"cannot read chip file {str(p)!r}: {e.strerror}") from None
+    try:
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parse error becomes one message
+        raise NeuScaleError(f"chip file {str(p)!r} is not valid "
+                            f"{'YAML' if p.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {e}"
+                            ) from None
+    if isinstance(data, Mapping) and "chips" in data:
+        data = data["chips"]
+    items = data if isinstance(data, list) else [data]
+    if not all(isinstance(i, Mapping) for i in items):
+        raise NeuScaleError(f"chip file {str(p)!r} must hold a chip object or a list of them")
+    return [chip_from_mapping(i, origin=str(p)) for i in items]
+
+
+def default_catalog(extra_files: Iterable[str | Path] = ()) -> Catalog:
+    cat = Catalog()
+    for f in extra_files:
+        for chip in load_chip_file(f):
+            cat.add(chip)
+    return cat

@@ -1,0 +1,1 @@
+"""The control plane and the ``orchestrator`` CLI (see :mod:`orchestrator.cli`)."""

@@ -1,0 +1,355 @@
+"""The ``orchestrator`` command line.
+
+    orchestrator dse build  --model M [--chips ...] [--metric energy|cost] [--slo-scale 5] [--out PATH]
+    orchestrator dse query  --db PATH --phase prefill|decode --seq-len N [--chip C] [--explain] [--json]
+    orchestrator dse cost   --model M --chip C --tp T [--pp P] [--ep E] --phase P --batch B --seq-len N
+    orchestrator dse show   --db PATH
+    orchestrator dse plot   --db PATH --out DIR
+
+Every error a user can cause ends in one line ``error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from dse.errors import NeuScaleError
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer (got {text!r})") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1 (got {v})")
+        return v
+    return parse
+
+
+def _positive_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number (got {text!r})") from None
+        if not (v > 0 and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"{name} must be > 0 (got {text})")
+        return v
+    return parse
+
+
+def _catalog(args: argparse.Namespace):
+    from dse.catalog import default_catalog
+    return default_catalog(args.chip_file or [])
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=_json_default))
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+# ---- dse build ------------------------------------------------------------------------------
+
+def cmd_dse_build(args: argparse.Namespace) -> int:
+    from dse.builder import BuildOptions, build, default_db_path
+    from dse.models import load_model
+    arch = load_model(args.model)
+    opts = BuildOptions(metric=args.metric, slo_scale=args.slo_scale,
+                        chips=tuple(c for c in args.chips.split(",") if c.strip())
+                        if args.chips else None,
+                        workers=args.workers, ray_address=args.ray,
+                        progress=None if not args.json else False)
+    log = (lambda s: print(s, file=sys.stderr)) if not args.json else None
+    db = build(arch, opts, catalog=_catalog(args), log=log)
+    out = Path(args.out) if args.out else default_db_path(arch.name, args.metric)
+    db.save(out)
+    n = len(db.entries)
+    if args.json:
+        _print_json({"db": str(out), "entries": n, "model": arch.name, "metric": args.metric,
+                     "chips": db.chips, "build_seconds": db.meta["build_seconds"],
+                     "fit_quality": db.meta["fit_quality"]})
+    else:
+        fq = db.meta["fit_quality"]
+        print(f"wrote {out}: {n} entries ({len(db.edges)} buckets x 2 phases x "
+              f"{len(db.chips)} chips), metric {args.metric}, {db.meta['build_seconds']:.1f}s; "
+              f"XLA fits {fq['fits']}, held-out max rel. error {fq['heldout_max_rel_err']:.1e}, "
+              f"vs analytic matmul count {fq['analytic_max_rel_diff']:.1%}")
+    return 0
+
+
+# ---- dse query ------------------------------------------------------------------------------
+
+def cmd_dse_query(args: argparse.Namespace) -> int:
+    from dse.db import BestFitDB
+    db = BestFitDB.load(args.db)
+    e = db.lookup(args.phase, args.seq_len, args.chip)
+    out: dict[str, Any] = {"query": {"phase": args.phase, "seq_len": args.seq_len,
+                                     "chip": args.chip},
+                           "entry": e.to_json()}
+    if args.explain:
+        out["explain"] = db.explain_for(args.phase, args.seq_len, e.chip)
+        out["pareto"] = db.pareto_for(args.phase, args.seq_len, e.chip)
+    if args.json:
+        _print_json(out)
+        return 0
+    unit = db.meta["efficiency_unit"]
+    print(f"{args.phase} {args.seq_len} tokens -> bucket <= {e.seq_len}: {e.chip}:{e.topology} "
+          f"({e.accelerator_type}, {e.num_chips} chips) tp={e.tp} pp={e.pp} ep={e.ep} "
+          f"max_batch={e.max_batch}")
+    print(f"  latency {e.latency_s * 1e3:.2f} ms (SLO {e.slo_s * 1e3:.2f} ms, "
+          f"{'met' if e.meets_slo else 'NOT met: lowest-latency allocation'}), {e.bound}-bound")
+    print(f"  {e.throughput_tok_per_s:,.0f} tok/s, {e.energy_j_per_token:.4g} J/token, "
+          f"{e.usd_per_token:.3g} USD/token, efficiency {e.efficiency:.4g} {unit}")
+    if args.explain:
+        ex = out["explain"]
+        print(f"  candidates {ex.get('candidates')}, feasible {ex.get('feasible')}, "
+              f"rejected for memory {ex.get('infeasible')}, over SLO {ex.get('slo_violations')}")
+        if ex.get("example"):
+            print(f"  e.g. {ex['example']}")
+        print(f"  Pareto front ({len(out['pareto'])} points):")
+        for p in out["pareto"]:
+            print(f"    {e.chip}:{p['topology']} tp{p['tp']} pp{p['pp']} ep{p['ep']} "
+                  f"batch {p['batch']}: {p['latency_s'] * 1e3:.2f} ms, {p['efficiency']:.4g} {unit}")
+    return 0
+
+
+# ---- dse cost -------------------------------------------------------------------------------
+
+def cmd_dse_cost(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from dse.buckets import MAX_SEQ_LEN
+    from dse.builder import DSE, Candidate
+    from dse.costmodel import BOUNDS, Parallelism, infeasible_message, validate_parallelism
+    from dse.models import load_model
+    from dse.vpod import ICITopology, VPodConfig
+
+    if args.seq_len > MAX_SEQ_LEN:
+        raise NeuScaleError(f"--seq-len {args.seq_len} exceeds the largest bucket ({MAX_SEQ_LEN})")
+    arch = load_model(args.model)
+    cat = _catalog(args)
+    chip = cat.get(args.chip)
+    par = Parallelism(args.tp, args.pp, args.ep)
+    validate_parallelism(arch, par)
+    if args.topology:
+        topo = ICITopology.parse(args.topology).for_chip(chip)
+    else:
+        topo = _compact_topology(chip, par.chips)
+    vpod = VPodConfig.make(chip, topo, cat)
+    dse = DSE(arch, cat)
+    dse.ensure_fits([par], workers=1, progress=None if not args.json else False)
+    r = dse.evaluate(Candidate(chip, topo, par), args.phase, np.asarray([args.batch]),
+                     np.asarray([args.seq_len]))
+    fits = [dse.fits.fits[k] for k in dse.fits.fits if f"tp={par.tp}" in k]
+    i = (0, 0)
+    out = {
+        "model": arch.name, "vpod": str(vpod), "accelerator_type": vpod.accelerator_type(cat),
+        "num_chips": vpod.num_chips, "tp": par.tp, "pp": par.pp, "ep": par.ep,
+        "phase": args.phase, "batch": args.batch, "seq_len": args.seq_len,
+        "scope": "flops/hbm_bytes/ici_bytes: per chip, slowest pipeline stage, one micro-batch "
+                 "step; latency_s: TTFT (prefill) or TPOT (decode); energy_j/cost_usd: whole vPod "
+                 "for that batch (prefill) or decode iteration",
+        "flops": float(r.flops[i]), "hbm_bytes": float(r.hbm_bytes[i]),
+        "ici_bytes": float(r.ici_bytes[i]),
+        "flops_source": "xla-hlo-cost-analysis (lowered per-chip JAX graph, polynomial fit)",
+        "xla_bytes_accessed_unfused": float(r.xla_bytes[i]),
+        "fit_heldout_max_rel_err": max((f.heldout_max_rel_err for f in fits), default=0.0),
+        "latency_s": float(r.latency_s[i]), "throughput_tok_per_s":
+            float(r.throughput_tok_per_s[i]),
+        "energy_j": float(r.energy_j[i]), "cost_usd": float(r.cost_usd[i]),
+        "energy_j_per_token": float(r.energy_j_per_token[i]),
+        "usd_per_token": float(r.usd_per_token[i]), "bound": BOUNDS[int(r.bound[i])],
+        "hbm_bytes_per_chip_used": float(r.mem_bytes[i]), "feasible": bool(r.feasible[i]),
+    }
+    if not r.feasible[i]:
+        out["infeasible_reason"] = infeasible_message(r, chip, i)
+    if args.json:
+        _print_json(out)
+        return 0
+    print(f"{arch.name} {args.phase} batch {args.batch} x {args.seq_len} tokens on {vpod} "
+          f"({out['accelerator_type']}) tp={par.tp} pp={par.pp} ep={par.ep}")
+    print(f"  per chip: {out['flops'] / 1e12:.4g} TFLOP (XLA), {out['hbm_bytes'] / 1e9:.4g} GB HBM "
+          f"(fused model; XLA unfused {out['xla_bytes_accessed_unfused'] / 1e9:.4g} GB), "
+          f"{out['ici_bytes'] / 1e9:.4g} GB ICI")
+    print(f"  latency {out['latency_s'] * 1e3:.3f} ms ({out['bound']}-bound), "
+          f"{out['throughput_tok_per_s']:,.0f} tok/s, {out['energy_j']:.4g} J, "
+          f"{out['cost_usd']:.4g} USD")
+    if not r.feasible[i]:
+        print(f"  does NOT fit: {out['infeasible_reason']}")
+    return 0
+
+
+def _compact_topology(chip, n: int):
+    """The most cube-like power-of-two shape with ``n`` chips."""
+    from dse.vpod import ICITopology, is_pow2
+    if not is_pow2(n):
+        raise NeuScaleError(f"tp*pp*ep = {n} chips is not a power of two")
+    dims = [1] * chip.torus_dims
+    k = 0
+    while math.prod(dims) < n:
+        dims[k % len(dims)] *= 2
+        k += 1
+    return ICITopology(tuple(sorted(dims, reverse=True))).for_chip(chip)
+
+
+# ---- dse show / plot ------------------------------------------------------------------------
+
+def cmd_dse_show(args: argparse.Namespace) -> int:
+    from dse.db import BestFitDB
+    db = BestFitDB.load(args.db)
+    m = db.meta
+    if args.json:
+        _print_json({"meta": {k: m[k] for k in ("model", "metric", "slo_scale", "chips",
+                                                "tool_version", "catalog_hash", "model_hash",
+                                                "jax_version", "created_utc")},
+                     "best": {p: [e.to_json() for e in db.entries_for(p)] for p in
+                              ("prefill", "decode")}})
+        return 0
+    print(f"{m['model']}  metric={m['metric']} ({m['efficiency_unit']})  SLO={m['slo_scale']}x  "
+          f"chips={','.join(db.chips)}  built {m['created_utc'][:19]} by neuscale "
+          f"{m['tool_version']} (jax {m['jax_version']})")
+    hdr = (f"{'phase':7} {'bucket':>8} {'best vPod':16} {'acc.type':14} {'tp':>3} {'pp':>3} "
+           f"{'ep':>3} {'batch':>5} {'lat ms':>9} {'SLO ms':>9} {'ok':2} {'efficiency':>10} "
+           f"{'bound':7} " + " ".join(f"{c:>9}" for c in db.chips))
+    print(hdr)
+    print("-" * len(hdr))
+    for phase in ("prefill", "decode"):
+        for i, s in enumerate(db.edges):
+            e = db._best[phase][i]
+            per_chip = []
+            for c in db.chips:
+                ce = db._chip[(phase, c.lower())][i]
+                per_chip.append(f"{ce.efficiency:9.3g}" if ce and ce.feasible else f"{'-':>9}")
+            if e is None:
+                print(f"{phase:7} {s:>8} (nothing fits)")
+                continue
+            print(f"{phase:7} {s:>8} {e.chip + ':' + e.topology:16} {e.accelerator_type:14} "
+                  f"{e.tp:>3} {e.pp:>3} {e.ep:>3} {e.max_batch:>5} {e.latency_s * 1e3:9.2f} "
+                  f"{e.slo_s * 1e3:9.2f} {'y' if e.meets_slo else 'N':2} {e.efficiency:10.4g} "
+                  f"{e.bound:7} " + " ".join(per_chip))
+    return 0
+
+
+def cmd_dse_plot(args: argparse.Namespace) -> int:
+    from dse.db import BestFitDB
+    from dse.plot import plot_db
+    db = BestFitDB.load(args.db)
+    paths = plot_db(db, args.out)
+    if args.json:
+        _print_json({"plots": [str(p) for p in paths]})
+    else:
+        for p in paths:
+            print(p)
+    return 0
+
+
+# ---- parser ---------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="orchestrator",
+        description="NeuScale: serve LLMs on heterogeneous Cloud TPU pools (v4, v5e, v5p, v6e). "
+                    "`dse` learns offline which vPod (chip x pod shape x parallelism x batch) "
+                    "serves each sequence-length bucket best.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    dse = sub.add_parser("dse", help="offline best-fit vPod database (paper §3.3)",
+                         description="Build and query the best-fit vPod database.")
+    dsub = dse.add_subparsers(dest="dse_command", metavar="ACTION")
+    dsub.required = True
+
+    def common(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:
+        sp.add_argument("--chip-file", action="append", metavar="FILE",
+                        help="add chips from a JSON/YAML file (ChipSpec fields); repeatable")
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    from dse.models import PRESETS
+    from dse.xla_cost import default_workers
+    b = dsub.add_parser("build", help="run the DSE and write the database",
+                        description="Enumerate vPods x parallelism x batch for every sequence "
+                                    "bucket and chip, cost them with XLA + roofline, and write "
+                                    "the best-fit database (one file per model and metric).")
+    b.add_argument("--model", required=True,
+                   help=f"preset ({', '.join(PRESETS)}) or path to a Hugging Face config.json")
+    b.add_argument("--chips", help="comma-separated chip versions (default: all in the catalog)")
+    b.add_argument("--metric", choices=["energy", "cost"], default="energy",
+                   help="optimise tokens per joule (energy) or per dollar (cost); default energy")
+    b.add_argument("--slo-scale", type=_positive_float("--slo-scale"), default=5.0,
+                   help="SLO = this x batch-1 latency on the smallest v5p/v6e vPod (default 5)")
+    b.add_argument("--out", help="database path (default ./bestfit-MODEL-METRIC.json)")
+    b.add_argument("--workers", type=_positive_int("--workers"), default=default_workers(),
+                   help="local processes lowering XLA graphs (default: CPU count, at most 4)")
+    b.add_argument("--ray", metavar="ADDRESS",
+                   help="lower on a Ray cluster at ADDRESS ('local' starts one); needs "
+                        "pip install 'neuscale[ray]'")
+    common(b)
+    b.set_defaults(func=cmd_dse_build)
+
+    q = dsub.add_parser("query", help="look up the best-fit vPod for a phase and length")
+    q.add_argument("--db", required=True, help="database file from `dse build`")
+    q.add_argument("--phase", required=True, choices=["prefill", "decode"])
+    q.add_argument("--seq-len", required=True, type=_positive_int("--seq-len"),
+                   help="prefill: input tokens; decode: input + output tokens")
+    q.add_argument("--chip", help="restrict to one chip version (default: best across chips)")
+    q.add_argument("--explain", action="store_true",
+                   help="also show rejected candidates by reason and the Pareto front")
+    common(q)
+    q.set_defaults(func=cmd_dse_query)
+
+    c = dsub.add_parser("cost", help="cost one allocation (FLOPs, bytes, latency, energy, $)")
+    c.add_argument("--model", required=True, help="preset or path to config.json")
+    c.add_argument("--chip", required=True, help="chip version (v4, v5e, v5p, v6e or alias)")
+    c.add_argument("--tp", type=_positive_int("--tp"), required=True)
+    c.add_argument("--pp", type=_positive_int("--pp"), default=1)
+    c.add_argument("--ep", type=_positive_int("--ep"), default=1)
+    c.add_argument("--topology", help="pod shape, e.g. 2x2x1 (default: most compact)")
+    c.add_argument("--phase", required=True, choices=["prefill", "decode"])
+    c.add_argument("--batch", required=True, type=_positive_int("--batch"))
+    c.add_argument("--seq-len", required=True, type=_positive_int("--seq-len"),
+                   help="prefill: input length; decode: KV length")
+    common(c)
+    c.set_defaults(func=cmd_dse_cost)
+
+    s = dsub.add_parser("show", help="print the database as a table")
+    s.add_argument("--db", required=True)
+    common(s)
+    s.set_defaults(func=cmd_dse_show)
+
+    pl = dsub.add_parser("plot", help="write PNG plots (rooflines, Pareto fronts, best chip)")
+    pl.add_argument("--db", required=True)
+    pl.add_argument("--out", required=True, help="output directory")
+    common(pl)
+    pl.set_defaults(func=cmd_dse_plot)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except NeuScaleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
