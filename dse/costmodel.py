@@ -153,7 +153,9 @@ class Collective:
 
 
 def allreduce_cost(dims: list[tuple[int, bool]], chip: ChipSpec) -> Collective:
-    """Ring reduce-scatter + all-gather, one torus dimension after another."""
+    """Ring reduce-scatter + all-gather, one torus dimension after another. With D dimensions the
+    message is split into D parts that walk the dimensions in rotated orders at the same time
+    (each part uses different links), so the bandwidth term is shared D ways."""
     a = b = g = 0.0
     frac = 1.0
     for k, wrap in dims:
@@ -162,7 +164,7 @@ def allreduce_cost(dims: list[tuple[int, bool]], chip: ChipSpec) -> Collective:
         b += 2 * (k - 1) / k * frac / bw
         g += 2 * (k - 1) / k * frac
         frac /= k
-    return Collective(a, b, g)
+    return Collective(a, b / max(1, len(dims)), g)
 
 
 def allgather_cost(dims: list[tuple[int, bool]], chip: ChipSpec) -> Collective:
