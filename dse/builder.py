@@ -196,6 +196,15 @@ def build(model: str | ModelArch, opts: BuildOptions = BuildOptions(),
 
     all_chips = list(dict.fromkeys(chips + ref))
     cands = {c.name: dse.candidates(c, opts.max_chips) for c in all_chips}
+    # weights alone decide whether a model can fit at all: check before lowering anything
+    fits_somewhere = [c for c in chips if any(
+        dse.cost.max_weights_bytes(cd.par) <= HBM_USABLE_FRACTION * c.hbm_bytes
+        for cd in cands[c.name])]
+    if not fits_somewhere:
+        raise NeuScaleError(
+            f"{arch.name} ({arch.weight_bytes() / 1e9:,.0f} GB of bf16 weights) does not fit on "
+            f"any vPod of <= {opts.max_chips} chips of {', '.join(c.name for c in chips)}: "
+            "add chips with more HBM (--chips) or raise --max-chips")
     pars = {cd.par for cs in cands.values() for cd in cs}
     n_low = dse.ensure_fits(pars, workers=opts.workers, ray_address=opts.ray_address,
                             progress=opts.progress)

@@ -71,7 +71,7 @@ def cmd_dse_build(args: argparse.Namespace) -> int:
     opts = BuildOptions(metric=args.metric, slo_scale=args.slo_scale,
                         chips=tuple(c for c in args.chips.split(",") if c.strip())
                         if args.chips else None,
-                        workers=args.workers, ray_address=args.ray,
+                        workers=args.workers, ray_address=args.ray, max_chips=args.max_chips,
                         progress=None if not args.json else False)
     log = (lambda s: print(s, file=sys.stderr)) if not args.json else None
     db = build(arch, opts, catalog=_catalog(args), log=log)
@@ -292,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--slo-scale", type=_positive_float("--slo-scale"), default=5.0,
                    help="SLO = this x batch-1 latency on the smallest v5p/v6e vPod (default 5)")
     b.add_argument("--out", help="database path (default ./bestfit-MODEL-METRIC.json)")
+    b.add_argument("--max-chips", type=_positive_int("--max-chips"), default=1024,
+                   help="largest vPod considered, in chips (default 1024, paper §3.3)")
     b.add_argument("--workers", type=_positive_int("--workers"), default=default_workers(),
                    help="local processes lowering XLA graphs (default: CPU count, at most 4)")
     b.add_argument("--ray", metavar="ADDRESS",
