@@ -140,12 +140,13 @@ class DSE:
             self.cost._work_cache.clear()
 
 
-def compute_slo(dse: DSE, opts: BuildOptions, ref_chips: list[ChipSpec]) -> dict[str, np.ndarray]:
+def compute_slo(dse: DSE, opts: BuildOptions, ref_chips: list[ChipSpec],
+                phases: tuple[str, ...] = PHASES) -> dict[str, np.ndarray]:
     """slo_scale x min over reference chips of the batch-1 latency on the smallest fitting vPod."""
     S = np.asarray(opts.buckets, dtype=np.int64)
     B1 = np.asarray([1])
     slo = {}
-    for phase in PHASES:
+    for phase in phases:
         best = np.full(len(S), np.inf)
         for chip in ref_chips:
             # smallest chip count first; for each bucket, the first count with a feasible split
@@ -211,45 +212,33 @@ def build(model: str | ModelArch, opts: BuildOptions = BuildOptions(),
     t_fit = time.perf_counter()
     log(f"XLA fits: {n_low} lowered, {len(dse.fits.fits)} cached ({t_fit - t0:.1f}s)")
 
-    slo = compute_slo(dse, opts, ref)
-    B = np.asarray(opts.batches, dtype=np.int64)
-    S = np.asarray(opts.buckets, dtype=np.int64)
+    total = sum(len(cands[c.name]) for c in chips)
+    bar = _Bar(opts.progress, total * len(PHASES), f"roofline {arch.name}")
+    slo: dict[str, list[float]] = {}
     entries: list[Entry] = []
     pareto: dict[str, list[list[Any]]] = {}
     explain: dict[str, dict[str, Any]] = {}
-    bar = _Bar(opts.progress, sum(len(cands[c.name]) for c in chips) * len(PHASES),
-               f"roofline {arch.name}")
-    for phase in PHASES:
-        for chip in chips:
-            cs = cands[chip.name]
-            # [bucket, candidate, batch]: each bucket's slice is contiguous
-            lat = np.empty((len(S), len(cs), len(B)))
-            eff = np.empty_like(lat)
-            feas = np.empty(lat.shape, bool)
-            reason = np.empty(lat.shape, np.int8)
-            by_par: dict[Parallelism, list[int]] = defaultdict(list)
-            for i, c in enumerate(cs):
-                by_par[c.par].append(i)
-            usable = HBM_USABLE_FRACTION * chip.hbm_bytes
-            for par, ii in by_par.items():
-                if dse.cost.max_weights_bytes(par) > usable:  # nothing fits: skip the grid
-                    lat[:, ii, :], eff[:, ii, :] = np.inf, 0.0
-                    feas[:, ii, :], reason[:, ii, :] = False, REASONS.index("weights")
-                    bar.update(len(ii))
-                    continue
-                oc = dse.on_chip(chip, par, phase, B, S)
-                li, ei = latency_efficiency(
-                    oc, [collectives(cs[i].topo, chip, par) for i in ii], opts.metric)
-                shape = (len(ii), len(B), len(S))  # no collectives: no topology axis yet
-                lat[:, ii, :] = np.broadcast_to(li, shape).transpose(2, 0, 1)
-                eff[:, ii, :] = np.broadcast_to(ei, shape).transpose(2, 0, 1)
-                feas[:, ii, :] = oc.feasible.T[:, None, :]
-                reason[:, ii, :] = oc.reason.T[:, None, :]
-                bar.update(len(ii))
-            _select(dse, chip, phase, cs, B, S, lat, eff, feas, reason, slo[phase], opts,
-                    entries, pareto, explain)
-            dse.forget(work=False)
-        dse.forget(work=True)
+    global _SWEEP
+    _SWEEP = (dse, chips, cands, opts, ref)
+    try:
+        if opts.workers > 1 and not opts.ray_address:
+            # prefill and decode are independent sweeps: one forked process each (the parent
+            # holds the fits and never imported JAX, so fork is safe)
+            import concurrent.futures as cf
+            import multiprocessing as mp
+            with cf.ProcessPoolExecutor(max_workers=2,
+                                        mp_context=mp.get_context("fork")) as ex:
+                results = list(ex.map(_phase_sweep, PHASES))
+                bar.update(total * len(PHASES))
+        else:
+            results = [_phase_sweep(ph, bar.update) for ph in PHASES]
+    finally:
+        _SWEEP = None
+    for phase, (slo_p, ent, par_, exp) in zip(PHASES, results):
+        slo[phase] = slo_p
+        entries += ent
+        pareto.update(par_)
+        explain.update(exp)
     bar.close()
 
     if not any(e.feasible for e in entries):
@@ -267,7 +256,7 @@ def build(model: str | ModelArch, opts: BuildOptions = BuildOptions(),
         "jax_version": jax_version(), "created_utc": datetime.now(timezone.utc).isoformat(),
         "buckets": list(opts.buckets), "batch_buckets": list(opts.batches),
         "max_vpod_chips": opts.max_chips,
-        "slo_s": {p: [float(x) for x in slo[p]] for p in PHASES},
+        "slo_s": slo,
         "slo_reference_chips": [c.name for c in ref],
         "pareto_columns": PARETO_COLUMNS,
         "fit_quality": {
@@ -280,9 +269,55 @@ def build(model: str | ModelArch, opts: BuildOptions = BuildOptions(),
     return BestFitDB(meta, entries, pareto, explain)
 
 
+_SWEEP: tuple | None = None   # (dse, chips, candidates, options, SLO reference chips)
+
+
+def _phase_sweep(phase: str, progress: Callable[[int], None] | None = None):
+    """SLO, Pareto fronts and best fits of one phase for every chip (picklable result)."""
+    dse, chips, cands, opts, ref = _SWEEP
+    slo = compute_slo(dse, opts, ref, (phase,))[phase]
+    B = np.asarray(opts.batches, dtype=np.int64)
+    S = np.asarray(opts.buckets, dtype=np.int64)
+    entries: list[Entry] = []
+    pareto: dict[str, list[list[Any]]] = {}
+    explain: dict[str, dict[str, Any]] = {}
+    for chip in chips:
+        cs = cands[chip.name]
+        # [bucket, candidate, batch]: each bucket's slice is contiguous
+        lat = np.empty((len(S), len(cs), len(B)))
+        eff = np.empty_like(lat)
+        feas = np.empty(lat.shape, bool)
+        reason = np.empty(lat.shape, np.int8)
+        by_par: dict[Parallelism, list[int]] = defaultdict(list)
+        for i, c in enumerate(cs):
+            by_par[c.par].append(i)
+        usable = HBM_USABLE_FRACTION * chip.hbm_bytes
+        for par, ii in by_par.items():
+            if dse.cost.max_weights_bytes(par) > usable:  # nothing fits: skip the grid
+                lat[:, ii, :], eff[:, ii, :] = np.inf, 0.0
+                feas[:, ii, :], reason[:, ii, :] = False, REASONS.index("weights")
+            else:
+                oc = dse.on_chip(chip, par, phase, B, S)
+                li, ei = latency_efficiency(
+                    oc, [collectives(cs[i].topo, chip, par) for i in ii], opts.metric)
+                shape = (len(ii), len(B), len(S))  # no collectives: no topology axis yet
+                lat[:, ii, :] = np.broadcast_to(li, shape).transpose(2, 0, 1)
+                eff[:, ii, :] = np.broadcast_to(ei, shape).transpose(2, 0, 1)
+                feas[:, ii, :] = oc.feasible.T[:, None, :]
+                reason[:, ii, :] = oc.reason.T[:, None, :]
+            if progress:
+                progress(len(ii))
+        _select(dse, chip, phase, cs, B, S, lat, eff, feas, reason, slo, opts, entries, pareto,
+                explain)
+        dse.forget(work=False)
+    dse.forget(work=True)
+    return [float(x) for x in slo], entries, pareto, explain
+
+
 def _select(dse: DSE, chip: ChipSpec, phase: str, cs: list[Candidate], B, S, lat, eff, feas,
             reason, slo, opts: BuildOptions, entries, pareto, explain) -> None:
     nB = len(B)
+    chips_of = np.array([c.topo.num_chips for c in cs])
     for j, s in enumerate(S):
         key = f"{phase}|{int(s)}|{chip.name}"
         f = feas[j].ravel()
@@ -297,8 +332,9 @@ def _select(dse: DSE, chip: ChipSpec, phase: str, cs: list[Candidate], B, S, lat
         if (~f).any():
             # the largest vPod that still does not fit, at batch 1: why smaller ones fail too
             bad = np.flatnonzero(~f)
-            bad1 = bad[bad % nB == 0] if (bad % nB == 0).any() else bad
-            k = max(bad1, key=lambda q: (cs[q // nB].topo.num_chips, -(q % nB)))
+            at_b1 = bad[bad % nB == 0]
+            bad = at_b1 if at_b1.size else bad
+            k = int(bad[np.argmax(chips_of[bad // nB])])
             c = cs[k // nB]
             r = dse.on_chip(chip, c.par, phase, B, S)
             ex["example"] = (f"{chip.name}:{c.topo} {c.par} batch {int(B[k % nB])}: "

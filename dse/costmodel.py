@@ -498,18 +498,19 @@ def collectives(topo: ICITopology, chip: ChipSpec, par: Parallelism) -> dict[str
             "a2a": alltoall_cost(gd["ep"], chip), "p2p": p2p_cost(chip)}
 
 
-def _coef(colls: "dict[str, Collective] | list[dict[str, Collective]]", kind: str, attr: str):
-    if isinstance(colls, dict):
-        return getattr(colls[kind], attr)
-    return np.array([getattr(c[kind], attr) for c in colls]).reshape(-1, 1, 1)
+def _stack_collectives(colls: list[dict[str, Collective]]) -> dict[str, Collective]:
+    """Many topologies' tables as one table of [T, 1, 1] coefficient arrays."""
+    return {k: Collective(*(np.array([getattr(c[k], a) for c in colls]).reshape(-1, 1, 1)
+                            for a in ("alpha_s", "beta_s_per_byte", "gamma")))
+            for k in colls[0]}
 
 
 def _ici(st: StageOnChip, colls):
     t = b = 0.0
     for kind, n in st.coll_n.items():
-        m = st.coll_m[kind]
-        t = t + (_coef(colls, kind, "alpha_s") * n + _coef(colls, kind, "beta_s_per_byte") * m)
-        b = b + _coef(colls, kind, "gamma") * m
+        c, m = colls[kind], st.coll_m[kind]
+        t = t + (c.alpha_s * n + c.beta_s_per_byte * m)
+        b = b + c.gamma * m
     return t, b
 
 
@@ -557,6 +558,8 @@ def _schedule(oc: OnChip, t_stage, dyn_total):
 def latency_efficiency(oc: OnChip, colls, metric: str):
     """Fast path for the DSE sweep: (latency_s, tokens per J or per USD); ``colls`` may be a
     list of topologies' collective tables (results then have a leading topology axis)."""
+    if isinstance(colls, list):
+        colls = _stack_collectives(colls)
     t_stage, _, _, dyn = _timing(oc, colls)
     latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn)
     return latency, tokens / (energy if metric == "energy" else cost)

@@ -148,8 +148,8 @@ class BestFitDB:
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-db-")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(self.to_json(), fh, separators=(",", ":"))
+        with os.fdopen(fd, "w") as fh:  # dumps (C encoder) is several times faster than dump
+            fh.write(json.dumps(self.to_json(), separators=(",", ":")))
         os.replace(tmp, p)
         return p
 
