@@ -221,9 +221,10 @@ def build(model: str | ModelArch, opts: BuildOptions = BuildOptions(),
     global _SWEEP
     _SWEEP = (dse, chips, cands, opts, ref)
     try:
-        if opts.workers > 1 and not opts.ray_address:
-            # prefill and decode are independent sweeps: one forked process each (the parent
-            # holds the fits and never imported JAX, so fork is safe)
+        if opts.workers > 1 and "jax" not in sys.modules and "ray" not in sys.modules:
+            # prefill and decode are independent sweeps: one forked process each. Forking is
+            # safe because the DSE parent never imports JAX (lowering runs in workers); a
+            # process that has JAX loaded (threads) sweeps sequentially instead.
             import concurrent.futures as cf
             import multiprocessing as mp
             with cf.ProcessPoolExecutor(max_workers=2,
