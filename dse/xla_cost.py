@@ -513,21 +513,32 @@ class FitCache:
 def _run_tasks(tasks: list, workers: int, ray_address: str | None):
     if ray_address:
         try:
-            import ray  # noqa: F401
+            import ray
         except ImportError:
             raise NeuScaleError("--ray needs Ray: pip install 'neuscale[ray]'") from None
+        started = not ray.is_initialized()
+        local = ray_address == "local"
+        if not local:
+            _check_reachable(ray_address)
         try:
-            ray.init(address=None if ray_address == "local" else ray_address,
-                     ignore_reinit_error=True, log_to_driver=False,
-                     include_dashboard=False)
+            # ship this package to the workers, so a cluster needs only Ray and JAX installed;
+            # a local instance stays on the loopback interface
+            ray.init(address=None if local else ray_address,
+                     _node_ip_address="127.0.0.1" if local else None,
+                     ignore_reinit_error=True, log_to_driver=False, include_dashboard=False,
+                     runtime_env={"py_modules": [str(Path(__file__).parent)]})
         except Exception as e:  # noqa: BLE001 - connection problems become one message
             raise NeuScaleError(f"cannot connect to the Ray cluster at {ray_address!r}: {e}") \
                 from None
-        remote = ray.remote(_extract_task)
-        pending = [remote.remote(t) for t in tasks]
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            yield ray.get(ready[0])
+        try:
+            remote = ray.remote(_extract_task)
+            pending = [remote.remote(t) for t in tasks]
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                yield ray.get(ready[0])
+        finally:
+            if started:
+                ray.shutdown()
         return
     if workers <= 1 or len(tasks) < 4:
         for t in tasks:
@@ -543,6 +554,23 @@ def _run_tasks(tasks: list, workers: int, ray_address: str | None):
         futs = [ex.submit(_extract_task, t) for t in tasks]
         for f in cf.as_completed(futs):
             yield f.result()
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast with one message instead of Ray's minutes-long retry on a wrong address."""
+    import socket
+    hostport = address.split("://", 1)[-1]
+    if hostport == "auto":
+        return
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise NeuScaleError(f"--ray {address!r}: expected HOST:PORT, ray://HOST:PORT, auto or "
+                            "local")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise NeuScaleError(f"cannot reach the Ray cluster at {address!r}: {e.strerror or e}") \
+            from None
 
 
 def default_workers() -> int:
