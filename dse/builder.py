@@ -63,10 +63,6 @@ class Candidate:
     par: Parallelism
 
 
-def efficiency_of(r: Roofline, metric: str) -> np.ndarray:
-    return r.tokens / (r.energy_j if metric == "energy" else r.cost_usd)
-
-
 class _Bar:
     def __init__(self, enabled: bool | None, total: int, desc: str):
         self.bar = None
@@ -371,5 +367,5 @@ def default_db_path(model: str, metric: str) -> Path:
     return Path(f"bestfit-{name}-{metric}.json")
 
 
-__all__ = ["BuildOptions", "DSE", "Candidate", "build", "compute_slo", "efficiency_of",
+__all__ = ["BuildOptions", "DSE", "Candidate", "build", "compute_slo",
            "default_db_path", "SLO_REFERENCE_CHIPS", "MAX_VPOD_CHIPS"]

@@ -200,7 +200,6 @@ class StageWork:
     n_stages: int
     comp_flops: list[np.ndarray]       # per component (already x layer count)
     comp_bytes: list[np.ndarray]
-    comp_count: list[int]              # kernels per step (for reporting only)
     coll: list[tuple[str, int, np.ndarray]]  # (kind, count, message bytes)
     weights_bytes: float
     kv_bytes: np.ndarray
@@ -372,14 +371,12 @@ class CostModel:
             nl = n_dense + n_moe
             cf = [nl * fl_attn, n_dense * fl_mlp]
             cb = [nl * by_attn, n_dense * by_mlp]
-            cnt = [nl, n_dense]
             xb = nl * xb_attn + n_dense * xb_mlp
             weights = self._stage_weights(W, d, n_dense, n_moe, has_embed, has_lm)
             coll: list[tuple[str, int, np.ndarray]] = []
             if n_moe:
                 cf += [n_moe * fl_tok, n_moe * fl_exp]
                 cb += [n_moe * by_tok, n_moe * by_exp]
-                cnt += [n_moe, n_moe]
                 xb = xb + n_moe * xb_moe
                 if par.ep > 1:
                     disp = t_attn * d.top_k * H * B2 * (par.ep - 1) / par.ep * ones
@@ -387,7 +384,6 @@ class CostModel:
             if has_lm:
                 cf.append(fl_lm)
                 cb.append(by_lm)
-                cnt.append(1)
                 xb = xb + xb_lm
                 if par.tp > 1:
                     coll.append(("ag", 1, t_lm * a.vocab * B2 * ones))
@@ -396,7 +392,7 @@ class CostModel:
             if par.pp > 1 and not has_lm:
                 coll.append(("p2p", 1, t_attn * H * B2 * ones))
             kv = nl * seqs_chip * Sf * kv_elems * B2
-            stages.append(StageWork(count, cf, cb, cnt, coll, float(weights), kv,
+            stages.append(StageWork(count, cf, cb, coll, float(weights), kv,
                                     act_peak * ones, xb))
         w = Work(par, phase, Bf, Sf, m, stages)
         self._work_cache[key] = w

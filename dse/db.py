@@ -124,6 +124,12 @@ class BestFitDB:
             self._bad_len(seq_len)
         return bisect_left(self.edges, seq_len)
 
+    def entry_at(self, phase: str, index: int, chip: str | None = None) -> Entry | None:
+        """Entry of bucket ``index`` (best across chips when ``chip`` is None; may be None or
+        infeasible for a chip that fits nothing there)."""
+        row = self._best[phase] if chip is None else self._chip[(phase, chip.lower())]
+        return row[index]
+
     def entries_for(self, phase: str, chip: str | None = None) -> list[Entry]:
         if chip is None:
             return [e for e in self._best[phase] if e is not None]

@@ -229,10 +229,10 @@ def cmd_dse_show(args: argparse.Namespace) -> int:
     print("-" * len(hdr))
     for phase in ("prefill", "decode"):
         for i, s in enumerate(db.edges):
-            e = db._best[phase][i]
+            e = db.entry_at(phase, i)
             per_chip = []
             for c in db.chips:
-                ce = db._chip[(phase, c.lower())][i]
+                ce = db.entry_at(phase, i, c)
                 per_chip.append(f"{ce.efficiency:9.3g}" if ce and ce.feasible else f"{'-':>9}")
             if e is None:
                 print(f"{phase:7} {s:>8} (nothing fits)")

@@ -1,6 +1,5 @@
 """The best-fit database built for real (llama3-8b, all chips), saved, reloaded, queried."""
 import json
-import time
 
 import pytest
 
@@ -50,7 +49,7 @@ def test_best_across_chips(llama8b_db):
         for s in SEQ_BUCKETS:
             best = db.lookup(phase, s)
             per_chip = [db.lookup(phase, s, c) for c in db.chips
-                        if db._chip[(phase, c)][db.bucket_index(s)].feasible]
+                        if db.entry_at(phase, db.bucket_index(s), c).feasible]
             ok = [e for e in per_chip if e.meets_slo]
             pool = ok or per_chip
             assert best.efficiency == max(e.efficiency for e in pool)
