@@ -223,6 +223,39 @@ def causal_fraction(s: np.ndarray) -> np.ndarray:
     return (nq + 1) / (2 * nq)
 
 
+def weight_bytes(a: ModelArch, d: ShardDims) -> dict[str, float]:
+    """Bytes of each weight group held by one chip under the shard ``d``."""
+    H = d.hidden
+    if d.is_mla:
+        qk = d.nope + d.rope
+        attn = (H * d.q_lora + d.q_lora + d.q_lora * d.heads * qk + H * (d.kv_lora + d.rope)
+                + d.kv_lora + d.kv_lora * d.heads * (d.nope + d.v_dim) + d.heads * d.v_dim * H
+                + H)
+    else:
+        attn = H * (d.heads + 2 * d.kv_heads) * d.head_dim + d.heads * d.head_dim * H + H
+    w = {"attn": attn, "mlp": 3 * H * d.inter + H, "lm_head": d.vocab * H + H,
+         "embed": d.vocab * H}
+    if a.is_moe:
+        w["moe_tok"] = H * d.n_experts_total * 2 + 3 * H * d.shared_inter + H  # fp32 router
+        w["expert"] = 3 * H * d.moe_inter
+    return {k: v * B2 for k, v in w.items()}
+
+
+def _stage_weights(W: dict[str, float], d: ShardDims, n_dense: int, n_moe: int,
+                   has_embed: bool, has_lm: bool) -> float:
+    w = (n_dense + n_moe) * W["attn"] + n_dense * W["mlp"]
+    if n_moe:
+        w += n_moe * (W["moe_tok"] + d.experts * W["expert"])
+    return w + (W["lm_head"] if has_lm else 0.0) + (W["embed"] if has_embed else 0.0)
+
+
+def max_weights_bytes(a: ModelArch, par: Parallelism) -> float:
+    """Weights held by one chip of the heaviest pipeline stage (cheap: no grid, no fits)."""
+    d = ShardDims.of(a, par.tp, par.ep)
+    W = weight_bytes(a, d)
+    return max(_stage_weights(W, d, nd, nm, he, hl) for nd, nm, he, hl, _ in stage_layout(a, par.pp))
+
+
 class CostModel:
     """Roofline cost model of one model, backed by its XLA fits."""
 
@@ -249,35 +282,10 @@ class CostModel:
 
     # -- weights per chip -------------------------------------------------------------------
     def weight_bytes(self, d: ShardDims) -> dict[str, float]:
-        a, H = self.arch, d.hidden
-        if d.is_mla:
-            qk = d.nope + d.rope
-            attn = (H * d.q_lora + d.q_lora + d.q_lora * d.heads * qk + H * (d.kv_lora + d.rope)
-                    + d.kv_lora + d.kv_lora * d.heads * (d.nope + d.v_dim) + d.heads * d.v_dim * H
-                    + H)
-        else:
-            attn = H * (d.heads + 2 * d.kv_heads) * d.head_dim + d.heads * d.head_dim * H + H
-        w = {"attn": attn, "mlp": 3 * H * d.inter + H, "lm_head": d.vocab * H + H,
-             "embed": d.vocab * H}
-        if a.is_moe:
-            w["moe_tok"] = H * d.n_experts_total * 2 + 3 * H * d.shared_inter + H  # fp32 router
-            w["expert"] = 3 * H * d.moe_inter
-        return {k: v * B2 for k, v in w.items()}
-
-    @staticmethod
-    def _stage_weights(W: dict[str, float], d: ShardDims, n_dense: int, n_moe: int,
-                       has_embed: bool, has_lm: bool) -> float:
-        w = (n_dense + n_moe) * W["attn"] + n_dense * W["mlp"]
-        if n_moe:
-            w += n_moe * (W["moe_tok"] + d.experts * W["expert"])
-        return w + (W["lm_head"] if has_lm else 0.0) + (W["embed"] if has_embed else 0.0)
+        return weight_bytes(self.arch, d)
 
     def max_weights_bytes(self, par: Parallelism) -> float:
-        """Weights held by one chip of the heaviest pipeline stage (cheap: no grid)."""
-        d = ShardDims.of(self.arch, par.tp, par.ep)
-        W = self.weight_bytes(d)
-        return max(self._stage_weights(W, d, nd, nm, he, hl)
-                   for nd, nm, he, hl, _ in stage_layout(self.arch, par.pp))
+        return max_weights_bytes(self.arch, par)
 
     # -- the work ---------------------------------------------------------------------------
     def work(self, par: Parallelism, phase: str, B: np.ndarray, S: np.ndarray) -> Work:
@@ -372,7 +380,7 @@ class CostModel:
             cf = [nl * fl_attn, n_dense * fl_mlp]
             cb = [nl * by_attn, n_dense * by_mlp]
             xb = nl * xb_attn + n_dense * xb_mlp
-            weights = self._stage_weights(W, d, n_dense, n_moe, has_embed, has_lm)
+            weights = _stage_weights(W, d, n_dense, n_moe, has_embed, has_lm)
             coll: list[tuple[str, int, np.ndarray]] = []
             if n_moe:
                 cf += [n_moe * fl_tok, n_moe * fl_exp]
