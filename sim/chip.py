@@ -341,6 +341,22 @@ class ChipModel:
             ops.append(self.p2p("pp_send", t * self.d.hidden * B2))
         return [o for o in ops if o.time_s > 0 or o.hbm_bytes > 0]
 
+    def parts_local(self, p_loc: float, c_loc: float, nd_loc: float, kv_loc: float,
+                    logits: float, stage_tokens: float) -> dict[str, tuple[float, float]]:
+        """(time_s, dynamic energy J of the whole vPod) of one micro-batch through all stages,
+        split by what each operator depends on: ``tok`` (tokens in the step), ``prefill_attn``
+        (prefill tokens and their context), ``decode_attn`` (decoding sequences and their KV),
+        ``head`` (sequences sampling). Per-chip (local) quantities in; the sum of the parts plus
+        the step overhead is the step latency (:meth:`mixed_step`)."""
+        out = {k: [0.0, 0.0] for k in CATEGORIES}
+        for n_dense, n_moe, has_embed, has_lm, count in self.stages:
+            for o in self.stage_ops(n_dense, n_moe, has_embed, has_lm, p_loc, c_loc, nd_loc,
+                                    kv_loc, logits, stage_tokens):
+                acc = out[category(o.name)]
+                acc[0] += count * o.time_s * o.count
+                acc[1] += count * self.par.tp * self.par.ep * o.energy_j(self.hw)
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
     def mixed_step(self, prefill_tokens: float, prefill_ctx: float, n_decode: float,
                    decode_kv: float, n_prefill_seqs: float = 0.0) -> StepResult:
         """One engine step (one micro-batch through every stage): ``prefill_tokens`` new prompt
@@ -418,6 +434,21 @@ class ChipModel:
         layers = max(n_d + n_m for n_d, n_m, *_ in self.stages)
         free = usable_fraction * self.chip.hbm_bytes - self.weights_bytes()
         return max(0, int(free // (kv_tok * layers))) * self.par.ep
+
+
+CATEGORIES = ("tok", "prefill_attn", "decode_attn", "head")
+_HEAD_OPS = {"final_norm", "lm_head", "sampling", "logits_allgather"}
+
+
+def category(op_name: str) -> str:
+    """Which step variables an operator's cost depends on (see :meth:`ChipModel.parts_local`)."""
+    if op_name.startswith("attn_prefill") or op_name == "kv_b_proj":
+        return "prefill_attn"
+    if op_name.startswith("attn_decode") or op_name in ("q_absorb", "v_absorb"):
+        return "decode_attn"
+    if op_name in _HEAD_OPS:
+        return "head"
+    return "tok"
 
 
 def _bound(ops: list[Op]) -> str:
