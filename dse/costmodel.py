@@ -16,8 +16,8 @@ derives, per chip and per pipeline stage:
 
 Roofline: every component takes ``max(FLOPs / peak, bytes / HBM BW)`` (one kernel each, as XLA
 emits them), a stage adds its collectives, the slowest stage sets the pace. Pipelining splits the
-batch into ``m = min(B, PP)`` micro-batches: prefill TTFT = (PP + m - 1) stage times, decode
-TPOT = PP stage times. Energy = dynamic per FLOP/byte (catalog) + static power x wall time for
+batch into ``m = min(B, PP)`` micro-batches: prefill TTFT = the sum of the stage times + (m - 1)
+slowest-stage slots, decode TPOT = max(sum of the stage times, m slowest-stage slots). Energy = dynamic per FLOP/byte (catalog) + static power x wall time for
 every chip in the vPod; dollars = chips x price x wall time.
 
 Memory feasibility per chip: weights + KV cache of all B sequences at length S + transient
@@ -528,10 +528,12 @@ def _timing(oc: OnChip, colls):
     slow = None
     ici = []
     dyn_total = 0.0
+    t_sum = 0.0
     for i, st in enumerate(oc.stages):
         it, ib = _ici(st, colls)
         ici.append((it, ib))
         t = st.comp_t + it
+        t_sum = t_sum + st.n_stages * t
         dyn = st.dyn_j + ib * oc.chip.ici_j_per_byte
         dyn_total = dyn_total + dyn * (st.n_stages * par.tp * par.ep)
         if t_stage is None:
@@ -540,18 +542,21 @@ def _timing(oc: OnChip, colls):
             later = t > t_stage
             slow = np.where(later, i, slow)
             t_stage = np.maximum(t_stage, t)
-    return t_stage, slow, ici, dyn_total
+    return t_stage, slow, ici, dyn_total, t_sum
 
 
-def _schedule(oc: OnChip, t_stage, dyn_total):
+def _schedule(oc: OnChip, t_stage, dyn_total, t_sum):
+    """Pipeline schedule of m micro-batches over stages of unequal length: the first
+    micro-batch passes every stage once (``t_sum``), the others follow one slowest-stage slot
+    apart; a decode iteration ends when every micro-batch has passed every stage."""
     w, par, chip = oc.work, oc.work.par, oc.chip
     m = w.m
     if w.phase == "prefill":
-        latency = (par.pp + m - 1) * t_stage
+        latency = t_sum + (m - 1) * t_stage
         cycle = m * t_stage
         tokens = w.B * w.S
     else:
-        cycle = par.pp * t_stage
+        cycle = np.maximum(t_sum, m * t_stage)
         latency = cycle
         tokens = w.B * np.ones_like(w.S)
     energy = dyn_total * m + chip.static_power_w * par.chips * cycle
@@ -564,8 +569,8 @@ def latency_efficiency(oc: OnChip, colls, metric: str):
     list of topologies' collective tables (results then have a leading topology axis)."""
     if isinstance(colls, list):
         colls = _stack_collectives(colls)
-    t_stage, _, _, dyn = _timing(oc, colls)
-    latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn)
+    t_stage, _, _, dyn, t_sum = _timing(oc, colls)
+    latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn, t_sum)
     return latency, tokens / (energy if metric == "energy" else cost)
 
 
@@ -574,8 +579,8 @@ def roofline(work: Work, chip: ChipSpec, topo: ICITopology, oc: OnChip | None = 
     """Full roofline of one allocation (every quantity, per grid point)."""
     oc = oc or on_chip(work, chip)
     par = work.par
-    t_stage, slow, ici, dyn = _timing(oc, collectives(topo, chip, par))
-    latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn)
+    t_stage, slow, ici, dyn, t_sum = _timing(oc, collectives(topo, chip, par))
+    latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn, t_sum)
     shape = np.broadcast_shapes(work.B.shape, work.S.shape)
     bc = lambda x: np.broadcast_to(x, shape)  # noqa: E731
 

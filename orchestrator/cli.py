@@ -257,6 +257,51 @@ def cmd_dse_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- dse validate ---------------------------------------------------------------------------
+
+def cmd_dse_validate(args: argparse.Namespace) -> int:
+    from dse.models import load_model
+    from sim.validate import Validator, plot_validation
+    v = Validator(load_model(args.model), _catalog(args), args.metric,
+                  args.chips.split(",") if args.chips else None)
+    res = v.validate(args.phase, args.seq_len, args.max_candidates, args.seed)
+    out = res.to_json()
+    if args.plot:
+        out["plots"] = [str(p) for p in plot_validation(res, args.plot)]
+    if args.allocation_accuracy:
+        rows = v.allocation_accuracy(args.phase, slo_scale=args.slo_scale,
+                                     max_candidates=min(args.max_candidates, 600), seed=args.seed)
+        out["allocation_accuracy"] = {
+            "rows": rows, "mean_ratio": sum(r["ratio"] for r in rows) / len(rows),
+            "buckets_at_least_0.9": sum(r["ratio"] >= 0.9 for r in rows)}
+    if args.json:
+        _print_json(out)
+        return 0
+    print(f"{out['model']} {out['phase']} bucket {out['seq_len']} ({out['metric']}): "
+          f"{out['candidates_evaluated']} of {out['candidates_feasible']} feasible allocations "
+          f"simulated")
+    print(f"  latency:    Spearman rho {out['latency']['spearman_rho']:.3f}, "
+          f"Pearson r {out['latency']['pearson_r']:.3f}; chip model / roofline median "
+          f"{out['sim_over_roofline_latency_median']:.2f}x")
+    print(f"  efficiency: Spearman rho {out['efficiency']['spearman_rho']:.3f}, "
+          f"Pearson r {out['efficiency']['pearson_r']:.3f}")
+    pa = out["pareto"]
+    print(f"  Pareto: predicted front ({pa['predicted_points']} points) contains "
+          f"{pa['true_points_covered']} of the {pa['true_points']} true Pareto points "
+          f"({pa['coverage']:.0%})")
+    if args.allocation_accuracy:
+        aa = out["allocation_accuracy"]
+        print(f"  allocation accuracy (Fig. 11): mean {aa['mean_ratio']:.3f} of the oracle, "
+              f">= 0.9 in {aa['buckets_at_least_0.9']} of {len(aa['rows'])} buckets")
+        for r in aa["rows"]:
+            print(f"    {r['seq_len']:>8}: {r['ratio']:.3f}  predicted {r['predicted_best']}"
+                  f"{'' if r['predicted_meets_sim_slo'] else ' (misses SLO on chip model)'}"
+                  f"  oracle {r['oracle_best']}")
+    for p in out.get("plots", []):
+        print(f"  wrote {p}")
+    return 0
+
+
 # ---- sim step -------------------------------------------------------------------------------
 
 def _sim_allocation(cat, model: str, chip_name: str, num_chips: int | None, topology: str | None,
@@ -433,6 +478,26 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", required=True, help="output directory")
     common(pl)
     pl.set_defaults(func=cmd_dse_plot)
+
+    va = dsub.add_parser("validate", help="roofline vs chip model: correlation, Pareto coverage",
+                         description="For every allocation of a bucket, the roofline prediction "
+                                     "against the per-operator chip model (paper Figs. 9-11).")
+    va.add_argument("--model", required=True, help="preset or path to config.json")
+    va.add_argument("--phase", required=True, choices=["prefill", "decode"])
+    va.add_argument("--seq-len", required=True, type=_positive_int("--seq-len"))
+    va.add_argument("--metric", choices=["energy", "cost"], default="energy")
+    va.add_argument("--chips", help="comma-separated chip versions (default: all)")
+    va.add_argument("--max-candidates", type=_positive_int("--max-candidates"), default=3000,
+                    help="simulate at most this many allocations (a seeded sample that always "
+                         "holds the predicted Pareto front); default 3000")
+    va.add_argument("--seed", type=int, default=0)
+    va.add_argument("--slo-scale", type=_positive_float("--slo-scale"), default=5.0)
+    va.add_argument("--allocation-accuracy", action="store_true",
+                    help="also Fig. 11: per bucket, chip-model efficiency of the roofline's best "
+                         "fit over the chip model's own best (all 48 buckets; minutes)")
+    va.add_argument("--plot", metavar="DIR", help="write the Fig. 9/10 PNGs here")
+    common(va)
+    va.set_defaults(func=cmd_dse_validate)
 
     sim = sub.add_parser("sim", help="the per-operator NPU chip model (paper §4)",
                          description="Simulate one step of a sharded LLM on a vPod, operator by "
