@@ -154,21 +154,20 @@ class ChipModel:
         return self._finish(name, 0.0, vf / self.hw.vu_flops_per_s, hbm, vu_flops=vf,
                             sram_bytes=2.0 * hbm)
 
-    def allreduce(self, name: str, msg_bytes: float) -> Op:
-        if self.par.tp == 1 or msg_bytes <= 0:
+    def _collective(self, name: str, c, group: int, msg_bytes: float) -> Op:
+        """A collective with cost coefficients ``c`` (from :mod:`dse.costmodel`) at the
+        achieved link bandwidth, plus the group's synchronisation."""
+        if group == 1 or msg_bytes <= 0:
             return Op(name, "ICI", 0.0)
-        c = self._ar
         eff = self.hw.ici_link_eff_bytes_per_s / self.chip.ici_link_bw_bytes_per_s
         t = c.alpha_s + c.beta_s_per_byte * msg_bytes / eff + COLLECTIVE_LAUNCH_S
         return Op(name, "ICI", t, ici_bytes=c.gamma * msg_bytes, sram_bytes=2 * msg_bytes)
 
+    def allreduce(self, name: str, msg_bytes: float) -> Op:
+        return self._collective(name, self._ar, self.par.tp, msg_bytes)
+
     def alltoall(self, name: str, msg_bytes: float) -> Op:
-        if self.par.ep == 1 or msg_bytes <= 0:
-            return Op(name, "ICI", 0.0)
-        c = self._a2a
-        eff = self.hw.ici_link_eff_bytes_per_s / self.chip.ici_link_bw_bytes_per_s
-        t = c.alpha_s + c.beta_s_per_byte * msg_bytes / eff + COLLECTIVE_LAUNCH_S
-        return Op(name, "ICI", t, ici_bytes=c.gamma * msg_bytes, sram_bytes=2 * msg_bytes)
+        return self._collective(name, self._a2a, self.par.ep, msg_bytes)
 
     def p2p(self, name: str, msg_bytes: float) -> Op:
         t = (self.chip.ici_hop_latency_s + msg_bytes / self.hw.ici_link_eff_bytes_per_s
