@@ -1,0 +1,60 @@
+"""Time of one autoscaling decision (paper Table 3: ~100 ms; our target <= 10 ms for 100 groups).
+
+Every bucket of both phases carries traffic, so the prefill and decode autoscalers each plan
+one group per distinct best fit (the DB's 48 buckets bound this; with coalescing off every
+bucket stays its own group). The baseline is a plain numpy max over the same rate samples,
+measured in the same run.
+
+    python benchmarks/policy.py [--db bestfit-llama3-70b-energy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dse import BuildOptions, BestFitDB, build  # noqa: E402
+from orchestrator.policy import Observation, Policy, PolicyConfig, VPod  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--db", help="best-fit DB (default: build llama3-70b, energy)")
+    args = ap.parse_args()
+    db = BestFitDB.load(args.db) if args.db else build("llama3-70b", BuildOptions(progress=False))
+    rng = np.random.default_rng(0)
+    rates = {i: rng.uniform(1e3, 1e5, 180) for i in range(len(db.edges))}
+    for coalescing in (False, True):
+        groups = 0
+        times = []
+        for phase in ("prefill", "decode"):
+            pol = Policy(db, phase, PolicyConfig(coalescing=coalescing))
+            first = pol.plan(Observation(0.0, rates))
+            inv = [VPod(f"{g}#{k}", g, s.chip, s.topology, s.num_chips,
+                        throughput_tok_per_s=s.throughput_tok_per_s, max_batch=s.max_batch)
+                   for g, s in first.groups.items() for k in range(first.target.get(g, 0))]
+            obs = Observation(300.0, rates, inv, {}, {"v5p": 4096, "v6e": 1024})
+            groups += len(first.target)
+            for _ in range(20):
+                t = time.perf_counter()
+                pol.plan(obs, first.state)
+                times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(200):
+            max(float(np.max(r)) for r in rates.values())
+        base = (time.perf_counter() - t) / 200
+        med = statistics.median(times)
+        print(f"coalescing={coalescing!s:5}: {groups} groups (both phases), median plan "
+              f"{med * 1e3:.2f} ms per phase, baseline max-over-samples {base * 1e3:.3f} ms "
+              f"(ratio {med / base:.0f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Pure routing logic shared by the live gateway and the cluster simulator (paper §3.4).
+
+* The **routing table** maps each sequence-length bucket (the DSE's 48 buckets) to a vPod group;
+  the autoscaling policy produces it. Prefill routes by input length, decode by input +
+  predicted output length.
+* Inside a group a request goes to the **least-loaded** vPod.
+* A request is **re-predicted** whenever its length crosses a bucket boundary, and **migrated**
+  to the group for longer sequences when its length (or the new estimate) exceeds twice the
+  best-fit length of its current group.
+
+No I/O, no clock: plain functions and a frozen table.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Hashable, Mapping
+
+from dse.buckets import SEQ_BUCKETS
+from dse.errors import NeuScaleError
+
+MIGRATE_FACTOR = 2.0  # §3.4: migrate past twice the group's best-fit length
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    """``groups[i]`` serves bucket ``i`` (upper edge ``edges[i]``); ``best_len[g]`` is the
+    best-fit (representative) length of group ``g``."""
+
+    edges: tuple[int, ...]
+    groups: tuple[Hashable, ...]
+    best_len: Mapping[Hashable, int]
+
+    @classmethod
+    def build(cls, bucket_to_group: Mapping[int, Hashable], edges: tuple[int, ...] = SEQ_BUCKETS
+              ) -> "RoutingTable":
+        """From a partial map bucket index -> group: buckets without a group are served by the
+        nearest bucket that has one (longer preferred on ties: it fits in memory)."""
+        if not bucket_to_group:
+            raise NeuScaleError("routing table needs at least one group")
+        known = sorted(bucket_to_group)
+        groups = []
+        for i in range(len(edges)):
+            j = bisect_left(known, i)
+            if j < len(known) and known[j] == i:
+                groups.append(bucket_to_group[i])
+                continue
+            below = known[j - 1] if j > 0 else None
+            above = known[j] if j < len(known) else None
+            pick = above if below is None or (above is not None and above - i <= i - below) \
+                else below
+            groups.append(bucket_to_group[pick])
+        best: dict[Hashable, int] = {}
+        for i in known:
+            g = bucket_to_group[i]
+            best[g] = max(best.get(g, 0), edges[i])
+        return cls(tuple(edges), tuple(groups), best)
+
+    def bucket(self, length: int) -> int:
+        return min(bisect_left(self.edges, max(1, int(length))), len(self.edges) - 1)
+
+    def group_for_length(self, length: int) -> Hashable:
+        return self.groups[self.bucket(length)]
+
+    def prefill_group(self, input_tokens: int) -> Hashable:
+        return self.group_for_length(input_tokens)
+
+    def decode_group(self, input_tokens: int, predicted_output_tokens: int) -> Hashable:
+        return self.group_for_length(input_tokens + predicted_output_tokens)
+
+    def longer_group(self, group: Hashable) -> Hashable | None:
+        """The group that serves the buckets right above ``group``'s longest one."""
+        idx = [i for i, g in enumerate(self.groups) if g == group]
+        if not idx:
+            return None
+        for g in self.groups[max(idx) + 1:]:
+            if g != group:
+                return g
+        return None
+
+
+def least_loaded(loads: Mapping[Hashable, float]) -> Hashable:
+    """The vPod with the smallest load (ties: the first in iteration order)."""
+    if not loads:
+        raise NeuScaleError("no vPod in the group")
+    return min(loads, key=loads.__getitem__)
+
+
+def crossed_bucket(table: RoutingTable, old_length: int, new_length: int) -> bool:
+    """True when a growing sequence enters a new bucket: time to re-predict its output."""
+    return table.bucket(new_length) != table.bucket(old_length)
+
+
+def should_migrate(table: RoutingTable, group: Hashable, current_length: int,
+                   estimated_total_length: int) -> Hashable | None:
+    """The group to migrate to, or None: when the current length or the new estimate of the
+    total length exceeds twice the group's best-fit length (§3.4)."""
+    best = table.best_len.get(group)
+    if best is None:
+        return None
+    if max(current_length, estimated_total_length) > MIGRATE_FACTOR * best:
+        target = table.group_for_length(max(current_length, estimated_total_length))
+        if target == group:
+            target = table.longer_group(group)
+        return target
+    return None

@@ -1,0 +1,42 @@
+import pytest
+
+from dse import SEQ_BUCKETS, NeuScaleError
+from router.routing import RoutingTable, crossed_bucket, least_loaded, should_migrate
+
+
+def table():
+    # buckets 0-7 (<= 1024) -> A, 8-15 (<= 4096) -> B, 16+ -> C; only some buckets given
+    return RoutingTable.build({3: "A", 7: "A", 11: "B", 15: "B", 20: "C"})
+
+
+def test_build_fills_gaps_from_nearest_bucket():
+    t = table()
+    assert t.group_for_length(1) == "A" and t.group_for_length(1024) == "A"
+    assert t.group_for_length(1025) == "A"      # bucket 8: nearest given is 7
+    assert t.group_for_length(3000) == "B" and t.group_for_length(1 << 20) == "C"
+    assert t.best_len == {"A": 1024, "B": 4096, "C": SEQ_BUCKETS[20]}
+    with pytest.raises(NeuScaleError):
+        RoutingTable.build({})
+
+
+def test_prefill_by_input_decode_by_input_plus_prediction():
+    t = table()
+    assert t.prefill_group(900) == "A"
+    assert t.decode_group(900, 2000) == "B"
+
+
+def test_least_loaded_and_reprediction():
+    assert least_loaded({"a": 3, "b": 1, "c": 1}) == "b"
+    with pytest.raises(NeuScaleError):
+        least_loaded({})
+    t = table()
+    assert crossed_bucket(t, 127, 129) and not crossed_bucket(t, 129, 200)
+
+
+def test_migrate_past_twice_the_best_fit_length():
+    t = table()
+    assert should_migrate(t, "A", 2000, 2000) is None           # < 2 x 1024
+    assert should_migrate(t, "A", 2049, 2049) == "B"
+    assert should_migrate(t, "A", 1500, 5000) == "B"             # the new estimate decides
+    assert should_migrate(t, "B", 9000, 9000) == "C"
+    assert should_migrate(t, "C", 10 ** 6, 10 ** 6) is None      # nothing longer
