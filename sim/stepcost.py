@@ -19,6 +19,7 @@ The table implements the engine's step-cost protocol (:class:`sim.engine.StepCos
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,32 +31,52 @@ from .hardware import STEP_OVERHEAD_S
 HOST_BW_BYTES_PER_S_PER_CHIP = 24e9
 
 
-def _grid(lo: float, hi: float, per_octave: int = 4) -> np.ndarray:
+def _grid(lo: float, hi: float, per_octave: int = 4, small_ints: int = 16) -> np.ndarray:
     """Log-spaced points plus the small integers (where ceil() effects are sharpest)."""
     n = int(math.ceil(math.log2(hi / lo) * per_octave)) + 1
-    return np.unique(np.concatenate([np.geomspace(lo, hi, n), np.arange(1, 17)]))
+    return np.unique(np.concatenate([np.geomspace(lo, hi, n),
+                                     np.arange(1, small_ints + 1, dtype=np.float64)]))
 
 
-def _interp1(grid: np.ndarray, table: np.ndarray, x: np.ndarray) -> np.ndarray:
-    lx = np.log(np.clip(x, grid[0], grid[-1]))
-    return np.exp(np.interp(lx, np.log(grid), np.log(table)))
+def _interp1(lg: np.ndarray, lt: np.ndarray, x) -> np.ndarray:
+    """Linear interpolation in log-log space; ``lg``/``lt`` are the logs of grid and table."""
+    lx = np.clip(np.log(np.maximum(x, 1e-300)), lg[0], lg[-1])
+    return np.exp(np.interp(lx, lg, lt))
 
 
-def _interp2(gx: np.ndarray, gy: np.ndarray, table: np.ndarray, x, y) -> np.ndarray:
-    lgx, lgy = np.log(gx), np.log(gy)
-    lx = np.log(np.clip(x, gx[0], gx[-1]))
-    ly = np.log(np.clip(y, gy[0], gy[-1]))
-    i = np.clip(np.searchsorted(lgx, lx) - 1, 0, len(gx) - 2)
-    j = np.clip(np.searchsorted(lgy, ly) - 1, 0, len(gy) - 2)
+def _interp2(lgx: np.ndarray, lgy: np.ndarray, lt: np.ndarray, x, y) -> np.ndarray:
+    lx = np.clip(np.log(np.maximum(x, 1e-300)), lgx[0], lgx[-1])
+    ly = np.clip(np.log(np.maximum(y, 1e-300)), lgy[0], lgy[-1])
+    i = np.clip(np.searchsorted(lgx, lx) - 1, 0, len(lgx) - 2)
+    j = np.clip(np.searchsorted(lgy, ly) - 1, 0, len(lgy) - 2)
     fx = (lx - lgx[i]) / (lgx[i + 1] - lgx[i])
     fy = (ly - lgy[j]) / (lgy[j + 1] - lgy[j])
-    lt = np.log(table)
     v = ((1 - fx) * (1 - fy) * lt[i, j] + fx * (1 - fy) * lt[i + 1, j]
          + (1 - fx) * fy * lt[i, j + 1] + fx * fy * lt[i + 1, j + 1])
     return np.exp(v)
 
 
 _TINY = 1e-30   # tables hold log values: a zero cost becomes a negligible positive one
+
+
+def _interp1_scalar(lg: list[float], lt: list[float], x: float) -> float:
+    lx = math.log(min(max(x, math.exp(lg[0])), math.exp(lg[-1])))
+    i = min(max(bisect_right(lg, lx) - 1, 0), len(lg) - 2)
+    f = (lx - lg[i]) / (lg[i + 1] - lg[i])
+    return math.exp(lt[i] + f * (lt[i + 1] - lt[i]))
+
+
+def _interp2_scalar(lgx: list[float], lgy: list[float], lt: list[list[float]], x: float,
+                    y: float) -> float:
+    lx = min(max(math.log(x), lgx[0]), lgx[-1])
+    ly = min(max(math.log(y), lgy[0]), lgy[-1])
+    i = min(max(bisect_right(lgx, lx) - 1, 0), len(lgx) - 2)
+    j = min(max(bisect_right(lgy, ly) - 1, 0), len(lgy) - 2)
+    fx = (lx - lgx[i]) / (lgx[i + 1] - lgx[i])
+    fy = (ly - lgy[j]) / (lgy[j + 1] - lgy[j])
+    a, b = lt[i], lt[i + 1]
+    return math.exp((1 - fx) * ((1 - fy) * a[j] + fy * a[j + 1])
+                    + fx * ((1 - fy) * b[j] + fy * b[j + 1]))
 
 
 @dataclass
@@ -78,7 +99,10 @@ class StepCostTable:
         # prefill tokens are shared by the EP data-parallel groups: a chip may see 1/ep of one
         self.g_tok = _grid(1.0 / ep, self.max_tokens)
         self.g_seq = _grid(1, self.max_seqs)
-        self.g_ctx = _grid(1, self.max_kv_per_seq, 2)
+        self.g_ctx = _grid(1, self.max_kv_per_seq, 2, small_ints=0)
+        # the 2-D (attention) tables are smooth in the token/sequence axis: a coarser grid
+        self.g_tok2 = _grid(1.0 / ep, self.max_tokens, 2, small_ints=8)
+        self.g_seq2 = _grid(1, self.max_seqs, 2, small_ints=8)
 
         def part(name, **kw):
             v = cm.parts_local(**{"p_loc": 0.0, "c_loc": 0.0, "nd_loc": 0.0, "kv_loc": 0.0,
@@ -88,15 +112,21 @@ class StepCostTable:
         tok = [part("tok", nd_loc=t, stage_tokens=t * ep) for t in self.g_tok]
         head = [part("head", logits=n) for n in self.g_seq]
         pre = [[part("prefill_attn", p_loc=p, c_loc=p * c) for c in self.g_ctx]
-               for p in self.g_tok]
+               for p in self.g_tok2]
         dec = [[part("decode_attn", nd_loc=n, kv_loc=n * L) for L in self.g_ctx]
-               for n in self.g_seq]
+               for n in self.g_seq2]
         self.t_tok, self.e_tok = (np.array(x) for x in zip(*tok))
         self.t_head, self.e_head = (np.array(x) for x in zip(*head))
         self.t_pre = np.array([[x[0] for x in row] for row in pre])
         self.e_pre = np.array([[x[1] for x in row] for row in pre])
         self.t_dec = np.array([[x[0] for x in row] for row in dec])
         self.e_dec = np.array([[x[1] for x in row] for row in dec])
+        # logs of grids and tables, as arrays (vector path) and Python lists (scalar path)
+        self._v = tuple(np.log(a) for a in (self.g_tok, self.g_seq, self.g_ctx, self.t_tok,
+                                            self.e_tok, self.t_head, self.e_head, self.t_pre,
+                                            self.e_pre, self.t_dec, self.e_dec, self.g_tok2,
+                                            self.g_seq2))
+        self._s = tuple(a.tolist() for a in self._v)
 
     def _local(self, prefill_tokens, prefill_ctx, n_decode, decode_kv):
         ep = self.model.par.ep
@@ -110,23 +140,50 @@ class StepCostTable:
         return p, ctx, nd, kv, logits
 
     def step(self, prefill_tokens, prefill_ctx, n_decode, decode_kv):
-        """Latency (s) and energy (J, whole vPod) of engine steps, vectorised."""
+        """Latency (s) and energy (J, whole vPod) of engine steps, vectorised (a single step
+        takes a scalar path: the engine prices many steps one at a time)."""
+        if all(np.ndim(x) == 0 for x in (prefill_tokens, prefill_ctx, n_decode, decode_kv)):
+            return self._step_scalar(float(prefill_tokens), float(prefill_ctx),
+                                     float(n_decode), float(decode_kv))
         p, ctx, nd, kv, logits = self._local(prefill_tokens, prefill_ctx, n_decode, decode_kv)
+        gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._v
         t = p + nd
         has_p, has_d = p > 0, nd > 0
         per_p = np.where(has_p, ctx / np.maximum(p, 1e-9), 1.0)
         per_d = np.where(has_d, kv / np.maximum(nd, 1e-9), 1.0)
-        lat = np.where(t > 0, _interp1(self.g_tok, self.t_tok, t), 0.0)
-        dyn = np.where(t > 0, _interp1(self.g_tok, self.e_tok, t), 0.0)
-        lat = lat + np.where(logits > 0, _interp1(self.g_seq, self.t_head, np.maximum(logits, 1)),
-                             0.0)
-        dyn = dyn + np.where(logits > 0, _interp1(self.g_seq, self.e_head,
-                                                  np.maximum(logits, 1)), 0.0)
-        lat = lat + np.where(has_p, _interp2(self.g_tok, self.g_ctx, self.t_pre, p, per_p), 0.0)
-        dyn = dyn + np.where(has_p, _interp2(self.g_tok, self.g_ctx, self.e_pre, p, per_p), 0.0)
-        lat = lat + np.where(has_d, _interp2(self.g_seq, self.g_ctx, self.t_dec, nd, per_d), 0.0)
-        dyn = dyn + np.where(has_d, _interp2(self.g_seq, self.g_ctx, self.e_dec, nd, per_d), 0.0)
+        lat = np.where(t > 0, _interp1(gt, tt, t), 0.0)
+        dyn = np.where(t > 0, _interp1(gt, et, t), 0.0)
+        lat = lat + np.where(logits > 0, _interp1(gs, th, logits), 0.0)
+        dyn = dyn + np.where(logits > 0, _interp1(gs, eh, logits), 0.0)
+        lat = lat + np.where(has_p, _interp2(gt2, gc, tp, p, per_p), 0.0)
+        dyn = dyn + np.where(has_p, _interp2(gt2, gc, ep_, p, per_p), 0.0)
+        lat = lat + np.where(has_d, _interp2(gs2, gc, td, nd, per_d), 0.0)
+        dyn = dyn + np.where(has_d, _interp2(gs2, gc, ed, nd, per_d), 0.0)
         lat = lat + STEP_OVERHEAD_S
+        return lat, dyn + self.static_power_w * self.num_chips * lat
+
+    def _step_scalar(self, p: float, ctx: float, nd_glob: float, kv: float):
+        gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
+        ep = self.model.par.ep
+        p, ctx = p / ep, ctx / ep
+        nd = math.ceil(nd_glob / ep)
+        kv = kv * nd / nd_glob if nd_glob > 0 else 0.0
+        logits = math.ceil((nd_glob + (p > 0)) / ep)
+        lat = dyn = 0.0
+        t = p + nd
+        if t > 0:
+            lat += _interp1_scalar(gt, tt, t)
+            dyn += _interp1_scalar(gt, et, t)
+        if logits > 0:
+            lat += _interp1_scalar(gs, th, logits)
+            dyn += _interp1_scalar(gs, eh, logits)
+        if p > 0:
+            lat += _interp2_scalar(gt2, gc, tp, p, ctx / p)
+            dyn += _interp2_scalar(gt2, gc, ep_, p, ctx / p)
+        if nd > 0:
+            lat += _interp2_scalar(gs2, gc, td, nd, kv / nd)
+            dyn += _interp2_scalar(gs2, gc, ed, nd, kv / nd)
+        lat += STEP_OVERHEAD_S
         return lat, dyn + self.static_power_w * self.num_chips * lat
 
     def detailed(self, prefill_tokens: float, prefill_ctx: float, n_decode: float,
