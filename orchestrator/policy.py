@@ -396,3 +396,22 @@ def _take(avail: dict[str, int | None], chip: str, n: int) -> bool:
 def _free(avail: dict[str, int | None], chip: str, n: int) -> None:
     if avail.get(chip) is not None:
         avail[chip] += n
+
+
+class BasePolicy(Policy):
+    """The baseline of §5.1: one homogeneous group, the best fit of the longest sequence the
+    workload has, scaled in count only (same sizing rules, no coalescing or fail-over)."""
+
+    def __init__(self, db: BestFitDB, phase: str, longest_len: int,
+                 config: PolicyConfig = PolicyConfig()):
+        super().__init__(db, phase, replace(config, coalescing=False, failover=False))
+        i = db.bucket_index(min(int(longest_len), db.edges[-1]))
+        while i < len(db.edges) - 1 and self._entry(i) is None:
+            i += 1
+        e = self._entry(i)
+        if e is None:
+            raise NeuScaleError(f"no {phase} best fit for the longest sequence ({longest_len})")
+        self.spec = GroupSpec.of(e)
+
+    def _bucket_groups(self, buckets, actions):
+        return {i: self.spec.id for i in buckets}, {self.spec.id: self.spec}

@@ -1,0 +1,90 @@
+"""The cluster simulator on small traces, through the production policy and routing."""
+import numpy as np
+import pytest
+
+import orchestrator.policy
+import router.routing
+import sim.cluster as cluster
+from dse import load_model
+from orchestrator.policy import PolicyConfig
+from sim.cluster import ClusterConfig, ClusterSim, ideal_report, make_policies
+
+ARCH = load_model("llama3-8b")
+
+
+def trace(n=300, seed=0, span=600.0, lo=100, hi=3000):
+    rng = np.random.default_rng(seed)
+    return (np.sort(rng.uniform(0, span, n)), rng.integers(lo, hi, n), rng.integers(2, 200, n))
+
+
+def run(db, policy="neuscale", cfg=ClusterConfig(), tr=None):
+    arr, inp, out = tr or trace()
+    sim = ClusterSim(ARCH, db, make_policies(policy, db, cfg.policy, inp, out), cfg)
+    return sim, sim.run(arr, inp, out)
+
+
+@pytest.fixture(scope="module")
+def db(llama8b_db):
+    return llama8b_db[0]
+
+
+def test_uses_the_production_policy_and_routing():
+    assert cluster.Policy is orchestrator.policy.Policy
+    assert cluster.RoutingTable is router.routing.RoutingTable
+
+
+def test_every_request_is_served_and_accounted(db):
+    sim, rep = run(db)
+    assert not np.isnan(sim.ttft).any() and not np.isnan(sim.tpot).any()
+    assert (sim.ttft > 0).all() and (sim.tpot > 0).all()
+    p, d = rep["prefill"], rep["decode"]
+    arr, inp, out = trace()
+    assert p.requests == 300 and p.tokens == int(inp.sum()) and d.tokens == int((out - 1).sum())
+    assert p.energy_j > 0 and d.energy_j > 0 and p.cost_usd > 0
+    assert 0 < p.slo_met <= 300
+    # dollars = chips x price x time held, summed over vPods
+    usd = sum(v.num_chips * sim.catalog.get(v.chip).price_usd_per_chip_hour *
+              ((v.released_s or sim_end(sim)) - v.created_s) / 3600
+              for v in sim.vpods.values() if v.phase == "prefill")
+    assert p.cost_usd == pytest.approx(usd, rel=1e-6)
+
+
+def sim_end(sim):
+    return max((v.engine.now_s or 0) for v in sim.vpods.values() if v.engine)
+
+
+def test_deterministic_for_a_seed(db):
+    _, a = run(db, cfg=ClusterConfig(seed=3))
+    _, b = run(db, cfg=ClusterConfig(seed=3))
+    assert a["decode"].to_json() == b["decode"].to_json()
+    assert a["prefill"].to_json() == b["prefill"].to_json()
+
+
+def test_cold_start_waits_for_vpod_creation(db):
+    sim, _ = run(db, cfg=ClusterConfig(warm_start=False))
+    warm, _ = run(db)
+    # the controller plans after the first 10-s slice; creation (>= 73 s) + engine start (31 s)
+    # come before the first token of the first request
+    first = int(np.argmin(trace()[0]))
+    assert sim.ttft[first] > 73 + 31 - 10
+    assert warm.ttft[first] < 5.0
+    assert not np.isnan(sim.ttft).any()
+
+
+def test_quota_forces_failover_to_other_chips(db):
+    arr, inp, out = trace(seed=1)
+    e = db.entry_at("decode", db.bucket_index(int((inp + out).max())))
+    sim, rep = run(db, cfg=ClusterConfig(quotas={e.chip: 0}), tr=(arr, inp, out))
+    dec = [v for v in sim.vpods.values() if v.phase == "decode"]
+    assert dec and all(v.chip != e.chip for v in dec)
+    assert rep["decode"].failovers == len(dec)
+
+
+def test_base_uses_one_allocation_and_ideal_is_an_upper_bound(db):
+    tr = trace(n=600, lo=100, hi=8000)
+    sim_b, base = run(db, "base", tr=tr)
+    assert len({v.group for v in sim_b.vpods.values() if v.phase == "decode"}) == 1
+    ideal = ideal_report(ARCH, db, *tr)
+    for ph in ("prefill", "decode"):
+        assert ideal[ph].to_json()["tokens_per_j"] > base[ph].to_json()["tokens_per_j"]
+        assert ideal[ph].to_json()["slo_rate"] == 1.0
