@@ -302,6 +302,129 @@ def cmd_dse_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- simulate -------------------------------------------------------------------------------
+
+def _quota(text: str | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        chip, sep, n = part.partition("=")
+        if not sep or not n.strip().isdigit():
+            raise NeuScaleError(f"--quota {text!r}: expected CHIP=CHIPS[,CHIP=CHIPS] "
+                                "(e.g. v5p=256,v6e=512)")
+        out[chip.strip()] = int(n)
+    return out
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from dse.builder import BuildOptions, build
+    from dse.db import BestFitDB
+    from dse.models import load_model
+    from dse.xla_cost import cache_dir
+    from orchestrator.policy import PolicyConfig
+    from sim.cluster import ClusterConfig, ClusterSim, ideal_report, make_policies
+    from sim.traces import load_trace
+
+    cat = _catalog(args)
+    arch = load_model(args.model)
+    names = [p.strip() for p in args.policy.split(",") if p.strip()]
+    for n in names:
+        if n not in ("neuscale", "base", "ideal"):
+            raise NeuScaleError(f"unknown policy {n!r}; known: neuscale, base, ideal")
+    quotas = _quota(args.quota)
+    for c in quotas:
+        cat.get(c)
+    chips = tuple(c for c in args.chips.split(",") if c.strip()) if args.chips else None
+    if args.db:
+        db = BestFitDB.load(args.db)
+    else:
+        key = f"{arch.name}-{arch.fingerprint()}-{args.metric}-{args.slo_scale:g}-" \
+              f"{'_'.join(chips) if chips else 'all'}.json"
+        path = cache_dir().parent / "db" / key
+        if path.exists():
+            db = BestFitDB.load(path)
+        else:
+            print(f"building the best-fit database for {arch.name} (cached at {path})",
+                  file=sys.stderr)
+            db = build(arch, BuildOptions(metric=args.metric, slo_scale=args.slo_scale,
+                                          chips=chips, progress=None if not args.json
+                                          else False), catalog=cat)
+            db.save(path)
+    tr = load_trace(args.trace, hours=args.hours, start=args.start, rate_scale=args.rate_scale,
+                    seed=args.seed)
+    fo = tuple(c for c in args.failover_chips.split(",") if c.strip()) \
+        if args.failover_chips else None
+    pcfg = PolicyConfig(failover_chips=fo)
+    cfg = ClusterConfig(policy=pcfg, accuracy=args.accuracy, quotas=quotas, seed=args.seed)
+    out: dict = {"model": arch.name, "metric": db.meta["metric"], "trace": tr.summary(),
+                 "trace_note": tr.note, "policies": {}}
+    arr, inp, out_t = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
+                       np.asarray(tr.output_tokens))
+    for name in names:
+        if name == "ideal":
+            rep = ideal_report(arch, db, arr, inp, out_t, cat)
+        else:
+            sim = ClusterSim(arch, db, make_policies(name, db, pcfg, inp, out_t), cfg, cat)
+            bar = None
+            if sys.stderr.isatty() and not args.json:
+                from tqdm import tqdm
+                bar = tqdm(total=float(tr.duration_s), desc=f"{name} (simulated s)",
+                           unit="s", file=sys.stderr, leave=False)
+            last = [0.0]
+
+            def progress(t: float) -> None:
+                if bar is not None:
+                    bar.update(max(0.0, min(t, tr.duration_s) - last[0]))
+                    last[0] = min(t, tr.duration_s)
+            rep = sim.run(arr, inp, out_t, progress=progress)
+            if bar is not None:
+                bar.close()
+            if args.out:
+                _write_timeline(Path(args.out) / f"timeline_{name}.csv", sim.timeline)
+        out["policies"][name] = {ph: r.to_json() for ph, r in rep.items()}
+    if "base" in out["policies"]:
+        b = out["policies"]["base"]
+        out["ratios_vs_base"] = {
+            n: {ph: {k: (v[ph][k] / b[ph][k] if b[ph][k] else None)
+                     for k in ("tokens_per_j", "tokens_per_usd", "slo_rate")}
+                for ph in ("prefill", "decode")} for n, v in out["policies"].items()}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "summary.json").write_text(json.dumps(out, indent=2,
+                                                                default=_json_default))
+    if args.json:
+        _print_json(out)
+        return 0
+    s = out["trace"]
+    print(f"{arch.name} on {args.trace}: {s['requests']:,} requests over "
+          f"{s['duration_s'] / 3600:.2f} h, metric {out['metric']}")
+    print(f"  {'policy':9} {'phase':7} {'tokens/J':>10} {'tokens/USD':>12} {'SLO rate':>9} "
+          f"{'vs base (eff, SLO)':>20}")
+    for n, v in out["policies"].items():
+        for ph in ("prefill", "decode"):
+            r = v[ph]
+            ratio = out.get("ratios_vs_base", {}).get(n, {}).get(ph)
+            key = "tokens_per_j" if out["metric"] == "energy" else "tokens_per_usd"
+            rs = f"{ratio[key]:.2f}x, {ratio['slo_rate']:.2f}x" if ratio and ratio[key] else ""
+            print(f"  {n:9} {ph:7} {r['tokens_per_j']:10.3g} {r['tokens_per_usd']:12.4g} "
+                  f"{r['slo_rate']:9.1%} {rs:>20}")
+    return 0
+
+
+def _write_timeline(path: Path, timeline: list[dict]) -> None:
+    import csv
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["t_s", "phase", "group", "vpods_target"])
+        for row in timeline:
+            for g, n in sorted(row["target"].items()):
+                w.writerow([f"{row['t_s']:.0f}", row["phase"], g, n])
+
+
 # ---- sim step -------------------------------------------------------------------------------
 
 def _sim_allocation(cat, model: str, chip_name: str, num_chips: int | None, topology: str | None,
@@ -498,6 +621,33 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--plot", metavar="DIR", help="write the Fig. 9/10 PNGs here")
     common(va)
     va.set_defaults(func=cmd_dse_validate)
+
+    from sim.traces import PRESETS as TRACE_PRESETS
+    sm = sub.add_parser("simulate", help="replay a trace through the autoscaler (paper §5)",
+                        description="Trace-driven cluster simulation: the production policy and "
+                                    "routing drive simulated engines; energy, dollars and SLO "
+                                    "attainment per policy and phase. Trace presets: "
+                                    + "; ".join(f"{k}: {v}" for k, v in TRACE_PRESETS.items()))
+    sm.add_argument("--model", required=True)
+    sm.add_argument("--trace", required=True, help="preset name or a trace file (CSV "
+                    "arrival_s,input_tokens,output_tokens [.gz], Azure CSV, Mooncake JSONL)")
+    sm.add_argument("--policy", default="neuscale,base,ideal",
+                    help="comma-separated: neuscale, base, ideal (default all three)")
+    sm.add_argument("--db", help="best-fit database (default: built on first use and cached)")
+    sm.add_argument("--hours", type=_positive_float("--hours"))
+    sm.add_argument("--start", metavar="HH:MM")
+    sm.add_argument("--rate-scale", type=_positive_float("--rate-scale"), default=1.0)
+    sm.add_argument("--metric", choices=["energy", "cost"], default="energy")
+    sm.add_argument("--chips", help="chip versions the cluster has (default: all)")
+    sm.add_argument("--quota", help="chips per version, e.g. v5p=256,v6e=512")
+    sm.add_argument("--failover-chips", help="chip versions fail-over may use (default: all)")
+    sm.add_argument("--accuracy", type=float, default=0.6,
+                    help="output-length prediction accuracy (default 0.6, §5.1)")
+    sm.add_argument("--slo-scale", type=_positive_float("--slo-scale"), default=5.0)
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--out", metavar="DIR", help="write summary.json and timelines here")
+    common(sm)
+    sm.set_defaults(func=cmd_simulate)
 
     sim = sub.add_parser("sim", help="the per-operator NPU chip model (paper §4)",
                          description="Simulate one step of a sharded LLM on a vPod, operator by "

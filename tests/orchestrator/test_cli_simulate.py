@@ -1,0 +1,44 @@
+"""`orchestrator simulate` end to end on a slice of the real 2023 Azure code trace."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args, cache=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if cache:
+        env["NEUSCALE_CACHE_DIR"] = str(cache)
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "simulate", *args],
+                          capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_json_report_shape_ratios_and_outputs(tmp_path):
+    p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--hours", "0.05",
+            "--chips", "v5e,v5p,v6e", "--out", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert set(r["policies"]) == {"neuscale", "base", "ideal"}
+    for name, v in r["policies"].items():
+        for ph in ("prefill", "decode"):
+            for k in ("requests", "tokens", "energy_j", "cost_usd", "tokens_per_j",
+                      "tokens_per_usd", "slo_rate"):
+                assert k in v[ph], (name, ph, k)
+            assert v[ph]["energy_j"] > 0 and 0 <= v[ph]["slo_rate"] <= 1
+    assert r["policies"]["neuscale"]["prefill"]["requests"] == r["trace"]["requests"]
+    assert r["ratios_vs_base"]["base"]["decode"]["tokens_per_j"] == 1.0
+    assert r["ratios_vs_base"]["ideal"]["decode"]["tokens_per_j"] > 1.0
+    assert (tmp_path / "summary.json").exists()
+    assert (tmp_path / "timeline_neuscale.csv").read_text().startswith("t_s,phase,group")
+
+
+def test_user_errors():
+    p = run("--model", "llama3-8b", "--trace", "no-such-trace", "--db", "x.json")
+    assert p.returncode == 2 and "error:" in p.stderr
+    p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--policy", "magic")
+    assert p.returncode == 2 and "unknown policy 'magic'" in p.stderr
+    p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--quota", "v5p:4")
+    assert p.returncode == 2 and "CHIP=CHIPS" in p.stderr
