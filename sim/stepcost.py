@@ -145,6 +145,9 @@ class StepCostTable:
         if all(np.ndim(x) == 0 for x in (prefill_tokens, prefill_ctx, n_decode, decode_kv)):
             return self._step_scalar(float(prefill_tokens), float(prefill_ctx),
                                      float(n_decode), float(decode_kv))
+        if (np.ndim(prefill_tokens) == 0 and prefill_tokens == 0 and np.ndim(n_decode) == 0
+                and n_decode > 0):
+            return self._decode_run(float(n_decode), np.asarray(decode_kv, dtype=np.float64))
         p, ctx, nd, kv, logits = self._local(prefill_tokens, prefill_ctx, n_decode, decode_kv)
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._v
         t = p + nd
@@ -161,6 +164,26 @@ class StepCostTable:
         dyn = dyn + np.where(has_d, _interp2(gs2, gc, ed, nd, per_d), 0.0)
         lat = lat + STEP_OVERHEAD_S
         return lat, dyn + self.static_power_w * self.num_chips * lat
+
+    def _decode_run(self, nd_glob: float, kv: np.ndarray):
+        """A run of decode-only steps of one batch (the engine's vectorised phase): every term
+        but decode attention is one scalar; attention is a 1-D interpolation along KV."""
+        lat0, dyn0 = self._step_scalar(0.0, 0.0, nd_glob, 0.0)   # without attention
+        gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._v
+        ep = self.model.par.ep
+        nd = math.ceil(nd_glob / ep)
+        per = np.maximum(kv * (nd / nd_glob) / nd, 1e-300)
+        lx = min(max(math.log(nd), gs2[0]), gs2[-1])
+        i = min(max(int(np.searchsorted(gs2, lx)) - 1, 0), len(gs2) - 2)
+        fx = (lx - gs2[i]) / (gs2[i + 1] - gs2[i])
+        ly = np.minimum(np.maximum(np.log(per), gc[0]), gc[-1])
+        lat_row = (1 - fx) * td[i] + fx * td[i + 1]
+        dyn_row = (1 - fx) * ed[i] + fx * ed[i + 1]
+        att = np.exp(np.interp(ly, gc, lat_row))
+        att_e = np.exp(np.interp(ly, gc, dyn_row))
+        lat = lat0 + att
+        return lat, dyn0 - self.static_power_w * self.num_chips * lat0 + att_e \
+            + self.static_power_w * self.num_chips * lat
 
     def _step_scalar(self, p: float, ctx: float, nd_glob: float, kv: float):
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
@@ -180,7 +203,7 @@ class StepCostTable:
         if p > 0:
             lat += _interp2_scalar(gt2, gc, tp, p, ctx / p)
             dyn += _interp2_scalar(gt2, gc, ep_, p, ctx / p)
-        if nd > 0:
+        if nd > 0 and kv > 0:
             lat += _interp2_scalar(gs2, gc, td, nd, kv / nd)
             dyn += _interp2_scalar(gs2, gc, ed, nd, kv / nd)
         lat += STEP_OVERHEAD_S
