@@ -332,8 +332,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     arch = load_model(args.model)
     names = [p.strip() for p in args.policy.split(",") if p.strip()]
     for n in names:
-        if n not in ("neuscale", "base", "ideal"):
-            raise NeuScaleError(f"unknown policy {n!r}; known: neuscale, base, ideal")
+        if n not in ("neuscale", "base", "ideal") and not n.startswith("multipool:"):
+            raise NeuScaleError(f"unknown policy {n!r}; known: neuscale, base, ideal, "
+                                "multipool:K")
     quotas = _quota(args.quota)
     for c in quotas:
         cat.get(c)
@@ -401,7 +402,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     s = out["trace"]
     print(f"{arch.name} on {args.trace}: {s['requests']:,} requests over "
           f"{s['duration_s'] / 3600:.2f} h, metric {out['metric']}")
-    print(f"  {'policy':9} {'phase':7} {'tokens/J':>10} {'tokens/USD':>12} {'SLO rate':>9} "
+    print(f"  {'policy':12} {'phase':7} {'tokens/J':>10} {'tokens/USD':>12} {'SLO rate':>9} "
           f"{'vs base (eff, SLO)':>20}")
     for n, v in out["policies"].items():
         for ph in ("prefill", "decode"):
@@ -409,7 +410,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             ratio = out.get("ratios_vs_base", {}).get(n, {}).get(ph)
             key = "tokens_per_j" if out["metric"] == "energy" else "tokens_per_usd"
             rs = f"{ratio[key]:.2f}x, {ratio['slo_rate']:.2f}x" if ratio and ratio[key] else ""
-            print(f"  {n:9} {ph:7} {r['tokens_per_j']:10.3g} {r['tokens_per_usd']:12.4g} "
+            print(f"  {n:12} {ph:7} {r['tokens_per_j']:10.3g} {r['tokens_per_usd']:12.4g} "
                   f"{r['slo_rate']:9.1%} {rs:>20}")
     return 0
 
@@ -632,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--trace", required=True, help="preset name or a trace file (CSV "
                     "arrival_s,input_tokens,output_tokens [.gz], Azure CSV, Mooncake JSONL)")
     sm.add_argument("--policy", default="neuscale,base,ideal",
-                    help="comma-separated: neuscale, base, ideal (default all three)")
+                    help="comma-separated: neuscale, base, ideal, multipool:K "
+                         "(default neuscale,base,ideal)")
     sm.add_argument("--db", help="best-fit database (default: built on first use and cached)")
     sm.add_argument("--hours", type=_positive_float("--hours"))
     sm.add_argument("--start", metavar="HH:MM")

@@ -419,8 +419,19 @@ def ideal_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens, output
 
 def make_policies(name: str, db: BestFitDB, config: PolicyConfig, input_tokens, output_tokens
                   ) -> dict[str, Policy]:
-    """``neuscale`` (the §3.4 policy) or ``base`` (one group sized for the longest request)."""
-    from orchestrator.policy import BasePolicy
+    """``neuscale`` (the §3.4 policy), ``base`` (one group sized for the longest request) or
+    ``multipool:K`` (K fixed percentile pools, §5.5)."""
+    from orchestrator.policy import BasePolicy, MultiPoolPolicy
+    if name.startswith("multipool:"):
+        try:
+            k = int(name.split(":", 1)[1])
+        except ValueError:
+            raise NeuScaleError(f"policy {name!r}: expected multipool:K with an integer K") \
+                from None
+        inp = np.asarray(input_tokens)
+        tot = inp + np.asarray(output_tokens)
+        return {"prefill": MultiPoolPolicy(db, "prefill", inp, k, config),
+                "decode": MultiPoolPolicy(db, "decode", tot, k, config)}
     if name == "neuscale":
         return {ph: Policy(db, ph, config) for ph in ("prefill", "decode")}
     if name == "base":
@@ -428,4 +439,4 @@ def make_policies(name: str, db: BestFitDB, config: PolicyConfig, input_tokens, 
         tot = inp + np.asarray(output_tokens)
         return {"prefill": BasePolicy(db, "prefill", int(inp.max()), config),
                 "decode": BasePolicy(db, "decode", int(tot.max()), config)}
-    raise NeuScaleError(f"unknown policy {name!r}; known: neuscale, base, ideal")
+    raise NeuScaleError(f"unknown policy {name!r}; known: neuscale, base, ideal, multipool:K")

@@ -177,3 +177,17 @@ def test_plan_explains_itself(db):
 def test_config_validation():
     with pytest.raises(Exception, match="ewma_alpha"):
         PolicyConfig(ewma_alpha=0)
+
+
+def test_multipool_splits_buckets_by_percentile(db):
+    from orchestrator.policy import MultiPoolPolicy
+    lens = np.concatenate([np.full(50, 300), np.full(50, 6000)])
+    pol = MultiPoolPolicy(db, "decode", lens, 2)
+    short, long_ = pol.pool_of[db.bucket_index(300)], pol.pool_of[db.bucket_index(6000)]
+    assert short.id.startswith("pool1:") and long_.id.startswith("pool2:")
+    assert short.best_len >= 300 and long_.best_len >= 6000
+    p = pol.plan(Observation(0.0, {db.bucket_index(300): flat(100.0),
+                                   db.bucket_index(6000): flat(100.0)}))
+    assert set(p.target) == {short.id, long_.id}       # no coalescing between pools
+    one = MultiPoolPolicy(db, "decode", lens, 1)
+    assert len({s.id for s in one.pool_of.values()}) == 1
