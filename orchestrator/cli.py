@@ -364,6 +364,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                  "trace_note": tr.note, "policies": {}}
     arr, inp, out_t = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
                        np.asarray(tr.output_tokens))
+    timelines: dict[str, list] = {}
     for name in names:
         if name == "ideal":
             rep = ideal_report(arch, db, arr, inp, out_t, cat)
@@ -383,8 +384,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             rep = sim.run(arr, inp, out_t, progress=progress)
             if bar is not None:
                 bar.close()
+            timelines[name] = sim.timeline
             if args.out:
-                _write_timeline(Path(args.out) / f"timeline_{name}.csv", sim.timeline)
+                _write_timeline(Path(args.out) / f"timeline_{name.replace(':', '-')}.csv",
+                                sim.timeline)
         out["policies"][name] = {ph: r.to_json() for ph, r in rep.items()}
     if "base" in out["policies"]:
         b = out["policies"]["base"]
@@ -393,7 +396,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                      for k in ("tokens_per_j", "tokens_per_usd", "slo_rate")}
                 for ph in ("prefill", "decode")} for n, v in out["policies"].items()}
     if args.out:
+        from sim.report import plot_report
         Path(args.out).mkdir(parents=True, exist_ok=True)
+        out["plots"] = [str(p) for p in plot_report(out, timelines, args.out)]
         (Path(args.out) / "summary.json").write_text(json.dumps(out, indent=2,
                                                                 default=_json_default))
     if args.json:
@@ -647,7 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output-length prediction accuracy (default 0.6, §5.1)")
     sm.add_argument("--slo-scale", type=_positive_float("--slo-scale"), default=5.0)
     sm.add_argument("--seed", type=int, default=0)
-    sm.add_argument("--out", metavar="DIR", help="write summary.json and timelines here")
+    sm.add_argument("--out", metavar="DIR",
+                    help="write summary.json, timelines (CSV) and plots (PNG) here")
     common(sm)
     sm.set_defaults(func=cmd_simulate)
 

@@ -33,6 +33,9 @@ def test_json_report_shape_ratios_and_outputs(tmp_path):
     assert r["ratios_vs_base"]["ideal"]["decode"]["tokens_per_j"] > 1.0
     assert (tmp_path / "summary.json").exists()
     assert (tmp_path / "timeline_neuscale.csv").read_text().startswith("t_s,phase,group")
+    pngs = {Path(f).name for f in r["plots"]}
+    assert {"efficiency_slo.png", "vpods_neuscale.png", "vpods_base.png"} <= pngs
+    assert all((tmp_path / f).read_bytes()[:4] == b"\x89PNG" for f in pngs)
 
 
 def test_user_errors():
