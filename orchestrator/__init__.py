@@ -1,1 +1,2 @@
-"""The control plane and the ``orchestrator`` CLI (see :mod:`orchestrator.cli`)."""
+"""The control plane: :mod:`orchestrator.policy` (the pure autoscaling policy, §3.4) and the
+``orchestrator`` CLI (:mod:`orchestrator.cli`); the asyncio controller is a later issue."""

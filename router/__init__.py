@@ -1,2 +1,3 @@
-"""Request routing: the sequence-length -> vPod-group routing table and the OpenAI-compatible
-gateway (paper §3.4). Not built yet: see the open issues."""
+"""Request routing (paper §3.4). :mod:`router.routing` holds the pure routing logic shared with
+the cluster simulator (routing table, least-loaded choice, migration rule); the
+OpenAI-compatible gateway on top of it is a later issue."""
