@@ -57,6 +57,11 @@ class PolicyConfig:
     coalesce_below: float = 0.5       # N_L threshold for coalescing
     coalescing: bool = True
     emergency: bool = True
+    # The paper bypasses the x2 limit in an emergency but does not say by how much; one vPod per
+    # max_batch queued requests is unbounded when max_batch is small (a queue of thousands of
+    # prompts on max_batch=1 prefill vPods), so an emergency grows a group at most this factor
+    # per epoch.
+    emergency_max_factor: float = 4.0
     failover: bool = True
     failover_chips: tuple[str, ...] | None = None   # None: every chip version in the DB
     eviction: bool = True
@@ -296,14 +301,19 @@ class Policy:
                           f"{cfg.shrink_period_s / 60:g} min" if want > n_pod else ""))
                 gs.last_shrink_s = obs.now_s
             queue = obs.group_peak_queue.get(g, 0)
-            slots = sum(v.max_batch or spec.max_batch for v in inv.get(g, [])
-                        if v.state == "ready")
+            # batch slots of the group, counting vPods still starting (capacity on its way:
+            # without them every epoch of a start-up would order the same vPods again)
+            slots = sum(v.max_batch or spec.max_batch for v in inv.get(g, []))
             if cfg.emergency and queue > slots:
                 extra = math.ceil((queue - slots) / max(spec.max_batch, 1))
-                if current + extra > want:
-                    want = current + extra
+                bound = max(current + 1, math.ceil(current * cfg.emergency_max_factor))
+                new = min(current + extra, bound)
+                if new > want:
+                    want = new
                     why = (f"emergency: peak queue {queue} > {slots} batch slots "
-                           "(doubling limit bypassed)")
+                           "(doubling limit bypassed"
+                           + (f", at most x{cfg.emergency_max_factor:g} per epoch)"
+                              if new < current + extra else ")"))
             if rates[g] == 0 and queue == 0:
                 want, why = 0, "no traffic in the window"
             target[g] = want

@@ -65,6 +65,15 @@ def test_scale_out_at_most_doubles_per_epoch_unless_emergency(db):
     assert p.target[g] == 7 and "emergency" in p.actions[-1].reason
     off = Policy(db, "decode", PolicyConfig(emergency=False)).plan(obs)
     assert off.target[g] == 4
+    # a huge queue grows the group at most x4 per epoch (the bound is configurable)
+    obs.group_peak_queue = {g: 1000 * e.max_batch}
+    assert Policy(db, "decode").plan(obs).target[g] == 8
+    assert Policy(db, "decode", PolicyConfig(emergency_max_factor=10)).plan(obs).target[g] == 20
+    # vPods already starting count as slots: they are not ordered again
+    obs.bucket_token_rates = {20: flat(4.5 * T)}
+    obs.group_peak_queue = {g: 6 * e.max_batch}
+    obs.inventory = vpods(g, e, 2) + vpods(g, e, 3, start=2, state="starting")
+    assert Policy(db, "decode").plan(obs).target[g] == 6      # not 2 + 4
 
 
 def test_scale_in_halves_at_most_every_30_minutes_and_follows_the_ewma(db):
