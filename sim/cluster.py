@@ -4,7 +4,9 @@ simulated engines in virtual time.
 Two pools, prefill and decode (P/D disaggregation, §5.1), each scaled by its own
 :class:`orchestrator.policy.Policy` every epoch and routed by the pure
 :class:`router.routing.RoutingTable` it produces. Every vPod runs a :class:`sim.engine.Engine`
-on the :class:`sim.stepcost.StepCostTable` of its allocation (the chip model's clock).
+on the :class:`sim.stepcost.StepCostTable` of its allocation (the chip model's clock); a
+pipeline-parallel vPod runs PP virtual engines, as vLLM does, so its throughput is the pipelined
+one the DSE assumes.
 
 Time advances in slices of ``sample_s`` (10 s): arrivals of the slice are routed (least-loaded
 vPod of the request's group, by outstanding tokens) and submitted at their exact arrival times;
@@ -42,7 +44,7 @@ from router.routing import RoutingTable
 
 from .chip import ChipModel
 from .engine import Engine
-from .stepcost import StepCostTable
+from .stepcost import PipelineShare, StepCostTable
 
 CREATE_S = (73.0, 108.0)        # Table 3: create a vPod instance
 DELETE_S = 15.0                 # Table 3: delete a vPod instance
@@ -61,6 +63,39 @@ class ClusterConfig:
     warm_start: bool = True      # first plan at t=0 from the trace's first epoch
 
 
+class VPodEngines:
+    """The engines of one vPod: one, or ``pp`` pipeline virtual engines (vLLM's PP scheduling,
+    see :class:`sim.stepcost.PipelineShare`); a request goes to the least busy one."""
+
+    def __init__(self, engines: list[Engine]):
+        self.engines = engines
+
+    def submit(self, req_id, arrival_s: float, prompt: int, output: int) -> None:
+        e = min(self.engines, key=lambda x: x.num_waiting + x.num_running)
+        e.submit(req_id, arrival_s, prompt, output)
+
+    def advance_to(self, t_s: float) -> list:
+        out = []
+        for e in self.engines:
+            out += e.advance_to(t_s)
+        return out
+
+    @property
+    def idle(self) -> bool:
+        return all(e.idle for e in self.engines)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(e.num_waiting for e in self.engines)
+
+    @property
+    def now_s(self) -> float | None:
+        return max((e.now_s or 0.0) for e in self.engines)
+
+    def energy_j(self) -> float:
+        return sum(e.stats().energy_j for e in self.engines)
+
+
 @dataclass
 class SimVPod:
     id: str
@@ -76,7 +111,7 @@ class SimVPod:
     ready_s: float
     failover: bool = False
     state: str = "starting"
-    engine: Engine | None = None
+    engine: VPodEngines | None = None
     outstanding: float = 0.0
     released_s: float | None = None
     drain_from_s: float | None = None
@@ -308,10 +343,13 @@ class ClusterSim:
         for v in self.vpods.values():
             if v.state == "starting" and v.ready_s < t_next:
                 v.state = "ready"
-                v.engine = Engine(self.table(v.alloc), mode=v.phase, max_batch=v.max_batch,
-                                  max_batched_tokens=max(self.cfg.max_batched_tokens,
-                                                         v.max_batch),
-                                  start_s=v.ready_s)
+                table = self.table(v.alloc)
+                pp = v.alloc[3]
+                cost = table if pp == 1 else PipelineShare(table, pp)
+                v.engine = VPodEngines([
+                    Engine(cost, mode=v.phase, max_batch=v.max_batch,
+                           max_batched_tokens=max(self.cfg.max_batched_tokens, v.max_batch),
+                           start_s=v.ready_s) for _ in range(pp)])
             if v.state == "draining" and (v.engine is None or v.engine.idle):
                 v.state = "released"
                 v.released_s = max(v.drain_from_s or 0.0,
@@ -356,8 +394,7 @@ class ClusterSim:
             stop = v.released_s if v.released_s is not None else t_end
             if v.engine is not None:
                 v.engine.advance_to(stop)
-                st = v.engine.stats()
-                r.energy_j += st.energy_j
+                r.energy_j += v.engine.energy_j()
             r.energy_j += c.static_power_w * v.num_chips * max(0.0, min(v.ready_s, stop)
                                                                - v.created_s)
             held_s = max(0.0, stop - v.created_s)

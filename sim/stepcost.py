@@ -235,3 +235,26 @@ class StepCostTable:
         return {"latency_max_rel_err": float(el.max()), "latency_mean_rel_err": float(el.mean()),
                 "energy_max_rel_err": float(ee.max()), "energy_mean_rel_err": float(ee.mean()),
                 "points": n}
+
+
+class PipelineShare:
+    """One of the ``depth`` virtual engines of a pipeline-parallel vPod.
+
+    vLLM runs a PP=d vPod as d virtual engines whose micro-batches are staggered by one stage:
+    each micro-batch still takes the full pass through every stage (its latency), but d of them
+    are in flight, so the vPod's throughput is d times one engine's (the DSE's pipelined
+    steady state). Each share sees the table's step latency, 1/d of the KV cache and of the host
+    bandwidth, and 1/d of the static power (so the d shares together pay it once)."""
+
+    def __init__(self, table: StepCostTable, depth: int):
+        self.table, self.depth = table, depth
+        self.num_chips = table.num_chips
+        self.static_power_w = table.static_power_w / depth
+        self.kv_capacity_tokens = table.kv_capacity_tokens // depth
+        self.kv_bytes_per_token = table.kv_bytes_per_token
+        self.host_bw_bytes_per_s = table.host_bw_bytes_per_s / depth
+
+    def step(self, prefill_tokens, prefill_ctx, n_decode, decode_kv):
+        lat, en = self.table.step(prefill_tokens, prefill_ctx, n_decode, decode_kv)
+        static = self.table.static_power_w * self.num_chips * lat
+        return lat, en - static + static / self.depth

@@ -88,3 +88,34 @@ def test_base_uses_one_allocation_and_ideal_is_an_upper_bound(db):
     for ph in ("prefill", "decode"):
         assert ideal[ph].to_json()["tokens_per_j"] > base[ph].to_json()["tokens_per_j"]
         assert ideal[ph].to_json()["slo_rate"] == 1.0
+
+
+def test_pipeline_parallel_vpod_runs_pp_virtual_engines():
+    """vLLM runs a PP=8 vPod as 8 staggered virtual engines: 8x the throughput of one engine,
+    each request still taking the full pass; static power paid once."""
+    from dse import default_catalog
+    from dse.costmodel import Parallelism
+    from dse.vpod import ICITopology
+    from sim.chip import ChipModel
+    from sim.cluster import VPodEngines
+    from sim.engine import Engine
+    from sim.stepcost import PipelineShare, StepCostTable
+    chip = default_catalog().get("v6e")
+    table = StepCostTable(ChipModel(load_model("llama3-70b"), chip, ICITopology.parse("4x2"),
+                                    Parallelism(1, 8)))
+
+    def run(engines):
+        v = VPodEngines(engines)
+        for i in range(64):
+            v.submit(i, 0.0, 1024, 1)
+        done = v.advance_to(1e6)
+        assert len(done) == 64
+        return max(r.finish_s for r in done), v.energy_j(), min(r.ttft_s for r in done)
+
+    t1, e1, ttft1 = run([Engine(table, mode="prefill", max_batch=1)])
+    t8, e8, ttft8 = run([Engine(PipelineShare(table, 8), mode="prefill", max_batch=1)
+                         for _ in range(8)])
+    assert t1 / t8 == pytest.approx(8, rel=0.02)
+    assert ttft8 == pytest.approx(ttft1, rel=1e-9)           # a request's own pass is unchanged
+    # same work, same horizon (both advanced to t = 1e6 s): the 8 shares pay static power once
+    assert e8 == pytest.approx(e1, rel=1e-9)
