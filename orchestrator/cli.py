@@ -431,6 +431,30 @@ def _write_timeline(path: Path, timeline: list[dict]) -> None:
                 w.writerow([f"{row['t_s']:.0f}", row["phase"], g, n])
 
 
+# ---- dse verify -----------------------------------------------------------------------------
+
+def cmd_dse_verify(args: argparse.Namespace) -> int:
+    from dse.db import BestFitDB
+    from dse.models import ModelArch
+    from sim.validate import verify_db
+    db = BestFitDB.load(args.db)
+    arch = ModelArch(**db.meta["model_arch"])
+    out = verify_db(db, arch, _catalog(args))
+    out.save(args.out)
+    alloc = lambda e: (e.topology, e.tp, e.pp, e.ep, e.max_batch)  # noqa: E731
+    changed = sum(alloc(a) != alloc(b) for a, b in zip(db.entries, out.entries))
+    ok_before = sum(e.meets_slo for e in db.entries if e.feasible)
+    ok_after = sum(e.meets_slo for e in out.entries if e.feasible)
+    res = {"db": args.out, "entries": len(out.entries), "changed": changed,
+           "meets_slo_roofline": ok_before, "meets_slo_chip_model": ok_after}
+    if args.json:
+        _print_json(res)
+    else:
+        print(f"wrote {args.out}: {changed} of {len(out.entries)} best fits re-chosen on the chip "
+              f"model; {ok_after} meet their SLO on it ({ok_before} did on the roofline)")
+    return 0
+
+
 # ---- sim step -------------------------------------------------------------------------------
 
 def _sim_allocation(cat, model: str, chip_name: str, num_chips: int | None, topology: str | None,
@@ -656,6 +680,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write summary.json, timelines (CSV) and plots (PNG) here")
     common(sm)
     sm.set_defaults(func=cmd_simulate)
+
+    vf = dsub.add_parser("verify", help="re-check every best fit on the chip model",
+                         description="Walk each Pareto front from the most efficient point down "
+                                     "and keep the first allocation that meets the SLO on the "
+                                     "chip model (paper §3.3: test a few Pareto-optimal "
+                                     "allocations before deployment).")
+    vf.add_argument("--db", required=True)
+    vf.add_argument("--out", required=True, help="path of the verified database")
+    common(vf)
+    vf.set_defaults(func=cmd_dse_verify)
 
     sim = sub.add_parser("sim", help="the per-operator NPU chip model (paper §4)",
                          description="Simulate one step of a sharded LLM on a vPod, operator by "

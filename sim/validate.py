@@ -291,3 +291,55 @@ def plot_validation(v: Validation, out_dir) -> list:
     plt.close(fig)
     paths.append(p)
     return paths
+
+
+def verify_db(db, arch: ModelArch, catalog: Catalog | None = None,
+              progress: Callable[[int], None] | None = None):
+    """A copy of ``db`` whose best fits are checked on the chip model (paper §3.3: "testing an
+    allocation on real hardware is necessary to guarantee SLO ... we only need to test a few
+    Pareto-optimal allocations").
+
+    For every (phase, bucket, chip) the roofline's Pareto front is walked from the most efficient
+    point down; the first allocation whose chip-model latency meets the bucket's SLO becomes the
+    best fit, with the chip model's latency, throughput, energy and dollars per token. If none
+    does, the fastest on the chip model, flagged ``meets_slo=False``."""
+    from dataclasses import replace as dc_replace
+
+    from dse.costmodel import Parallelism
+    from dse.db import BestFitDB
+    from dse.vpod import ICITopology
+    catalog = catalog or default_catalog()
+    metric = db.meta["metric"]
+    entries = []
+    for e in db.entries:
+        if not e.feasible:
+            entries.append(e)
+            continue
+        chip = catalog.get(e.chip)
+        best = None
+        for p in sorted(db.pareto_for(e.phase, e.seq_len, e.chip),
+                        key=lambda p: -p["efficiency"]):
+            par = Parallelism(p["tp"], p["pp"], p["ep"])
+            cm = ChipModel(arch, chip, ICITopology.parse(p["topology"]).for_chip(chip), par)
+            r = cm.step(e.phase, p["batch"], e.seq_len)
+            usd_tok = r.cycle_s * par.chips * chip.price_usd_per_chip_hour / 3600 / r.tokens
+            cand = (r.latency_s <= e.slo_s, p, r, usd_tok)
+            if cand[0]:
+                best = cand
+                break
+            if best is None or r.latency_s < best[2].latency_s:
+                best = cand
+        ok, p, r, usd_tok = best
+        eff = 1 / r.energy_j_per_token if metric == "energy" else 1 / usd_tok
+        entries.append(dc_replace(
+            e, topology=p["topology"], num_chips=p["num_chips"], tp=p["tp"], pp=p["pp"],
+            ep=p["ep"], max_batch=p["batch"], latency_s=r.latency_s,
+            throughput_tok_per_s=r.throughput_tok_per_s,
+            energy_j_per_token=r.energy_j_per_token, usd_per_token=usd_tok, efficiency=eff,
+            meets_slo=bool(ok), bound=r.bound,
+            accelerator_type=chip.accelerator_type(p["num_chips"]),
+            hbm_bytes_per_chip=r.hbm_bytes_per_chip))
+        if progress:
+            progress(1)
+    meta = dict(db.meta, verified="chip-model")
+    return BestFitDB(meta, entries, db.pareto, db.explain)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dse import load_model
+from dse import BestFitDB, load_model
 from sim.validate import Validator, pearson, ranks, spearman
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,3 +60,39 @@ def test_validate_cli_json_and_plots(tmp_path):
     out = json.loads(p.stdout)
     assert out["latency"]["spearman_rho"] > 0.9 and 0 <= out["pareto"]["coverage"] <= 1
     assert len(out["plots"]) == 2 and all(Path(f).stat().st_size > 1000 for f in out["plots"])
+
+
+def test_verified_db_meets_slo_on_the_chip_model(llama8b_db, tmp_path):
+    from dse.costmodel import Parallelism
+    from dse.vpod import ICITopology
+    from sim.chip import ChipModel
+    from sim.validate import verify_db
+    from dse import default_catalog
+    db, path = llama8b_db
+    arch = load_model("llama3-8b")
+    v = verify_db(db, arch)
+    assert v.meta["verified"] == "chip-model" and len(v.entries) == len(db.entries)
+    cat = default_catalog()
+    for e in v.entries[::23]:
+        if not e.feasible:
+            continue
+        c = cat.get(e.chip)
+        r = ChipModel(arch, c, ICITopology.parse(e.topology).for_chip(c),
+                      Parallelism(e.tp, e.pp, e.ep)).step(e.phase, e.max_batch, e.seq_len)
+        assert e.latency_s == pytest.approx(r.latency_s)          # chip-model numbers
+        assert e.meets_slo == (r.latency_s <= e.slo_s)
+        # the pick is on the roofline's Pareto front
+        assert any(p["topology"] == e.topology and p["batch"] == e.max_batch
+                   for p in db.pareto_for(e.phase, e.seq_len, e.chip))
+    # at least as many best fits meet the SLO on the chip model as before verification
+    def on_chip(e):
+        c = cat.get(e.chip)
+        return ChipModel(arch, c, ICITopology.parse(e.topology).for_chip(c),
+                         Parallelism(e.tp, e.pp, e.ep)).step(e.phase, e.max_batch,
+                                                             e.seq_len).latency_s <= e.slo_s
+    before = sum(on_chip(e) for e in db.entries if e.feasible)
+    after = sum(e.meets_slo for e in v.entries if e.feasible)
+    assert after >= before
+    out = tmp_path / "v.json"
+    v.save(out)
+    assert BestFitDB.load(out).lookup("decode", 3000) == v.lookup("decode", 3000)
