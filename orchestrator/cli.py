@@ -342,17 +342,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.db:
         db = BestFitDB.load(args.db)
     else:
+        # the engines run on the chip model, so the default DB's best fits are checked on it
+        # (dse verify); cached after the first build
+        from sim.validate import verify_db
         key = f"{arch.name}-{arch.fingerprint()}-{args.metric}-{args.slo_scale:g}-" \
-              f"{'_'.join(chips) if chips else 'all'}.json"
+              f"{'_'.join(chips) if chips else 'all'}-verified.json"
         path = cache_dir().parent / "db" / key
         if path.exists():
             db = BestFitDB.load(path)
         else:
-            print(f"building the best-fit database for {arch.name} (cached at {path})",
-                  file=sys.stderr)
+            print(f"building and verifying the best-fit database for {arch.name} (cached at "
+                  f"{path})", file=sys.stderr)
             db = build(arch, BuildOptions(metric=args.metric, slo_scale=args.slo_scale,
                                           chips=chips, progress=None if not args.json
                                           else False), catalog=cat)
+            db = verify_db(db, arch, cat)
             db.save(path)
     tr = load_trace(args.trace, hours=args.hours, start=args.start, rate_scale=args.rate_scale,
                     seed=args.seed)
@@ -664,7 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--policy", default="neuscale,base,ideal",
                     help="comma-separated: neuscale, base, ideal, multipool:K "
                          "(default neuscale,base,ideal)")
-    sm.add_argument("--db", help="best-fit database (default: built on first use and cached)")
+    sm.add_argument("--db", help="best-fit database (default: built and verified on the chip "
+                    "model on first use, then cached)")
     sm.add_argument("--hours", type=_positive_float("--hours"))
     sm.add_argument("--start", metavar="HH:MM")
     sm.add_argument("--rate-scale", type=_positive_float("--rate-scale"), default=1.0)
