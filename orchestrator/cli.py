@@ -45,6 +45,18 @@ def _positive_float(name: str):
     return parse
 
 
+def _fraction(name: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number (got {text!r})") from None
+        if not 0.0 <= v <= 1.0:
+            raise argparse.ArgumentTypeError(f"{name} must be between 0 and 1 (got {text})")
+        return v
+    return parse
+
+
 def _catalog(args: argparse.Namespace):
     from dse.catalog import default_catalog
     return default_catalog(args.chip_file or [])
@@ -677,7 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--chips", help="chip versions the cluster has (default: all)")
     sm.add_argument("--quota", help="chips per version, e.g. v5p=256,v6e=512")
     sm.add_argument("--failover-chips", help="chip versions fail-over may use (default: all)")
-    sm.add_argument("--accuracy", type=float, default=0.6,
+    sm.add_argument("--accuracy", type=_fraction("--accuracy"), default=0.6,
                     help="output-length prediction accuracy (default 0.6, §5.1)")
     sm.add_argument("--slo-scale", type=_positive_float("--slo-scale"), default=5.0)
     sm.add_argument("--seed", type=int, default=0)

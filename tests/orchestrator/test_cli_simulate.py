@@ -45,3 +45,5 @@ def test_user_errors():
     assert p.returncode == 2 and "unknown policy 'magic'" in p.stderr
     p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--quota", "v5p:4")
     assert p.returncode == 2 and "CHIP=CHIPS" in p.stderr
+    p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--accuracy", "1.5")
+    assert p.returncode == 2 and "between 0 and 1" in p.stderr
