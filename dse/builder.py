@@ -136,44 +136,51 @@ class DSE:
             self.cost._work_cache.clear()
 
 
+def slo_references(dse: DSE, opts: BuildOptions, ref_chips: list[ChipSpec], phase: str
+                   ) -> tuple[np.ndarray, list[Candidate | None]]:
+    """Per bucket, the batch-1 latency of the SLO reference allocation and the allocation: the
+    smallest fitting vPod of each reference chip (best split), the faster of the chips (§2.4)."""
+    S = np.asarray(opts.buckets, dtype=np.int64)
+    B1 = np.asarray([1])
+    best = np.full(len(S), np.inf)
+    refs: list[Candidate | None] = [None] * len(S)
+    for chip in ref_chips:
+        # smallest chip count first; for each bucket, the first count with a feasible split
+        by_n: dict[int, list[Candidate]] = defaultdict(list)
+        for c in dse.candidates(chip, opts.max_chips):
+            by_n[c.topo.num_chips].append(c)
+        settled = np.zeros(len(S), bool)
+        usable = HBM_USABLE_FRACTION * chip.hbm_bytes
+        for n in sorted(by_n):
+            lat_n = np.full(len(S), np.inf)
+            arg_n: list[Candidate | None] = [None] * len(S)
+            for c in by_n[n]:
+                if dse.cost.max_weights_bytes(c.par) > usable:
+                    continue
+                lat, _, oc = dse.latency_efficiency(c, phase, B1, S, opts.metric)
+                lat = np.where(oc.feasible[0], lat[0], np.inf)
+                for j in np.flatnonzero(lat < lat_n):
+                    arg_n[j] = c
+                lat_n = np.minimum(lat_n, lat)
+            new = ~settled & np.isfinite(lat_n)
+            for j in np.flatnonzero(new & (lat_n < best)):
+                best[j], refs[j] = lat_n[j], arg_n[j]
+            settled |= new
+            if settled.all():
+                break
+    if not np.isfinite(best).all():
+        bad = [int(s) for s, b in zip(S, best) if not np.isfinite(b)]
+        raise NeuScaleError(
+            f"{dse.arch.name} does not fit on any {'/'.join(c.name for c in ref_chips)} vPod "
+            f"of <= {opts.max_chips} chips at {phase} length(s) {bad[:3]}"
+            f"{'...' if len(bad) > 3 else ''}: the SLO reference cannot be set")
+    return best, refs
+
+
 def compute_slo(dse: DSE, opts: BuildOptions, ref_chips: list[ChipSpec],
                 phases: tuple[str, ...] = PHASES) -> dict[str, np.ndarray]:
     """slo_scale x min over reference chips of the batch-1 latency on the smallest fitting vPod."""
-    S = np.asarray(opts.buckets, dtype=np.int64)
-    B1 = np.asarray([1])
-    slo = {}
-    for phase in phases:
-        best = np.full(len(S), np.inf)
-        for chip in ref_chips:
-            # smallest chip count first; for each bucket, the first count with a feasible split
-            by_n: dict[int, list[Candidate]] = defaultdict(list)
-            for c in dse.candidates(chip, opts.max_chips):
-                by_n[c.topo.num_chips].append(c)
-            chip_lat = np.full(len(S), np.inf)
-            settled = np.zeros(len(S), bool)
-            for n in sorted(by_n):
-                lat_n = np.full(len(S), np.inf)
-                usable = HBM_USABLE_FRACTION * chip.hbm_bytes
-                for c in by_n[n]:
-                    if dse.cost.max_weights_bytes(c.par) > usable:
-                        continue
-                    lat, _, oc = dse.latency_efficiency(c, phase, B1, S, opts.metric)
-                    lat = np.where(oc.feasible[0], lat[0], np.inf)
-                    lat_n = np.minimum(lat_n, lat)
-                new = ~settled & np.isfinite(lat_n)
-                chip_lat[new] = lat_n[new]
-                settled |= new
-                if settled.all():
-                    break
-            best = np.minimum(best, chip_lat)
-        if not np.isfinite(best).all():
-            bad = [int(s) for s, b in zip(S, best) if not np.isfinite(b)]
-            raise NeuScaleError(
-                f"{dse.arch.name} does not fit on any {'/'.join(c.name for c in ref_chips)} vPod "
-                f"of <= {opts.max_chips} chips at {phase} length(s) {bad[:3]}"
-                f"{'...' if len(bad) > 3 else ''}: the SLO reference cannot be set")
-        slo[phase] = best * opts.slo_scale
-    return slo
+    return {ph: slo_references(dse, opts, ref_chips, ph)[0] * opts.slo_scale for ph in phases}
 
 
 def build(model: str | ModelArch, opts: BuildOptions = BuildOptions(),
@@ -367,5 +374,5 @@ def default_db_path(model: str, metric: str) -> Path:
     return Path(f"bestfit-{name}-{metric}.json")
 
 
-__all__ = ["BuildOptions", "DSE", "Candidate", "build", "compute_slo",
+__all__ = ["BuildOptions", "DSE", "Candidate", "build", "compute_slo", "slo_references",
            "default_db_path", "SLO_REFERENCE_CHIPS", "MAX_VPOD_CHIPS"]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dse.buckets import BATCH_BUCKETS, SEQ_BUCKETS, bucket_of
-from dse.builder import DSE, SLO_REFERENCE_CHIPS, Candidate, compute_slo, BuildOptions
+from dse.builder import DSE, SLO_REFERENCE_CHIPS, BuildOptions, Candidate, slo_references
 from dse.catalog import Catalog, default_catalog
 from dse.costmodel import HBM_USABLE_FRACTION, PHASES
 from dse.errors import NeuScaleError
@@ -187,27 +187,9 @@ class Validator:
         smallest fitting v5p/v6e vPod at batch 1, best split by the roofline), timed by each."""
         ref = [self.catalog.get(n) for n in SLO_REFERENCE_CHIPS if n in self.catalog.names()]
         opts = BuildOptions(slo_scale=slo_scale, buckets=(seq_len,), metric=self.metric)
-        slo_roof = float(compute_slo(self.dse, opts, ref, (phase,))[phase][0])
-        best = None
-        for chip in ref:
-            cands = [c for c in self.dse.candidates(chip)
-                     if self.dse.cost.max_weights_bytes(c.par) <= HBM_USABLE_FRACTION *
-                     chip.hbm_bytes]
-            for n in sorted({c.topo.num_chips for c in cands}):
-                ok = []
-                for c in (c for c in cands if c.topo.num_chips == n):
-                    r = self.dse.evaluate(c, phase, np.asarray([1]), np.asarray([seq_len]))
-                    if r.feasible[0, 0]:
-                        ok.append((float(r.latency_s[0, 0]), c))
-                if ok:
-                    lat, c = min(ok, key=lambda x: x[0])
-                    sim_lat = self.simulate(c, phase, 1, seq_len)[0]
-                    if best is None or lat < best[0]:
-                        best = (lat, sim_lat)
-                    break
-        if best is None:
-            raise NeuScaleError(f"no v5p/v6e vPod fits {phase} at {seq_len} tokens")
-        return slo_roof, slo_scale * best[1]
+        lat, cands = slo_references(self.dse, opts, ref, phase)
+        sim_lat = self.simulate(cands[0], phase, 1, seq_len)[0]
+        return slo_scale * float(lat[0]), slo_scale * sim_lat
 
     def allocation_accuracy(self, phase: str, buckets: list[int] | None = None,
                             slo_scale: float = 5.0, max_candidates: int = 600, seed: int = 0,
