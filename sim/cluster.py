@@ -26,13 +26,11 @@ group of its true total length, else to a random group whose best-fit length is 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
-from dse.buckets import bucket_index
 from dse.catalog import Catalog, default_catalog
 from dse.costmodel import Parallelism, max_weights_bytes
 from dse.db import BestFitDB
@@ -148,6 +146,7 @@ class ClusterSim:
         self._tables: dict[tuple, StepCostTable] = {}
         self.vpods: dict[str, SimVPod] = {}
         self._n_vpods = 0
+        self._ready_by: dict[tuple[str, str], list[SimVPod]] = {}
         self.timeline: list[dict[str, Any]] = []
 
     # ---- allocations --------------------------------------------------------------------------
@@ -209,9 +208,9 @@ class ClusterSim:
         ttft = np.full(n, np.nan)
         tpot = np.full(n, np.nan)
         dec_bucket = np.zeros(n, np.int64)
-        pre_bucket = np.array([bucket_index(int(x)) for x in np.minimum(inp, self.db.edges[-1])])
-        tot_bucket = np.array([bucket_index(int(x)) for x in
-                               np.minimum(inp + out, self.db.edges[-1])])
+        edges = np.asarray(self.db.edges)
+        pre_bucket = np.searchsorted(edges, np.clip(inp, 1, edges[-1]), side="left")
+        tot_bucket = np.searchsorted(edges, np.clip(inp + out, 1, edges[-1]), side="left")
         slo_p = np.asarray(self.db.meta["slo_s"]["prefill"])
         slo_d = np.asarray(self.db.meta["slo_s"]["decode"])
         nb = len(self.db.edges)
@@ -316,8 +315,16 @@ class ClusterSim:
         return DCN_LATENCY_S + tokens * self.arch.kv_bytes_per_token() / bw
 
     def _ready(self, phase: str, group: str) -> list[SimVPod]:
-        return [v for v in self.vpods.values()
-                if v.phase == phase and v.group == group and v.state == "ready"]
+        return self._ready_by.get((phase, group), [])
+
+    def _index_ready(self) -> None:
+        """Ready vPods per (phase, group); rebuilt whenever a vPod changes state (once per
+        slice and after each epoch), not scanned per routed request."""
+        idx: dict[tuple[str, str], list[SimVPod]] = {}
+        for v in self.vpods.values():
+            if v.state == "ready":
+                idx.setdefault((v.phase, v.group), []).append(v)
+        self._ready_by = idx
 
     def _submit(self, phase, group, r, at_s, inp, out, router_q, specs) -> None:
         vs = self._ready(phase, group)
@@ -354,6 +361,7 @@ class ClusterSim:
                 v.state = "released"
                 v.released_s = max(v.drain_from_s or 0.0,
                                    v.engine.now_s or 0.0 if v.engine else 0.0) + DELETE_S
+        self._index_ready()
 
     def _epoch(self, now, samples, states, routing, specs, peak_q, warm=False) -> None:
         for ph, pol in self.policies.items():
@@ -385,6 +393,7 @@ class ClusterSim:
                     self._release(self.vpods[a.vpod_id], now)
             self.timeline.append({"t_s": now, "phase": ph, "target": dict(plan.target),
                                   "actions": len(plan.actions)})
+        self._index_ready()
 
     def _report(self, t_end, arr, inp, out, ttft, tpot, pb, tb, slo_p, slo_d):
         rep = {"prefill": PhaseReport(), "decode": PhaseReport()}
