@@ -21,40 +21,35 @@ from typing import Any, Sequence
 from dse.errors import NeuScaleError
 
 
-def _positive_int(name: str):
-    def parse(text: str) -> int:
+def _number(name: str, cast=float, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False):
+    """argparse type: ``cast`` of the text within [lo, hi] (``lo_open``: lo excluded)."""
+    what = "an integer" if cast is int else "a number"
+
+    def parse(text: str):
         try:
-            v = int(text)
+            v = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer (got {text!r})") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1 (got {v})")
+            raise argparse.ArgumentTypeError(f"{name} must be {what} (got {text!r})") from None
+        if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) \
+                or (hi is not None and v > hi):
+            rng = (f"between {lo:g} and {hi:g}" if hi is not None
+                   else f"{'>' if lo_open else '>='} {lo:g}")
+            raise argparse.ArgumentTypeError(f"{name} must be {rng} (got {text})")
         return v
     return parse
+
+
+def _positive_int(name: str):
+    return _number(name, int, lo=1)
 
 
 def _positive_float(name: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number (got {text!r})") from None
-        if not (v > 0 and math.isfinite(v)):
-            raise argparse.ArgumentTypeError(f"{name} must be > 0 (got {text})")
-        return v
-    return parse
+    return _number(name, float, lo=0, lo_open=True)
 
 
 def _fraction(name: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number (got {text!r})") from None
-        if not 0.0 <= v <= 1.0:
-            raise argparse.ArgumentTypeError(f"{name} must be between 0 and 1 (got {text})")
-        return v
-    return parse
+    return _number(name, float, lo=0, hi=1)
 
 
 def _catalog(args: argparse.Namespace):
@@ -146,27 +141,21 @@ def cmd_dse_cost(args: argparse.Namespace) -> int:
 
     from dse.buckets import MAX_SEQ_LEN
     from dse.builder import DSE, Candidate
-    from dse.costmodel import BOUNDS, Parallelism, infeasible_message, validate_parallelism
-    from dse.models import load_model
-    from dse.vpod import ICITopology, VPodConfig
+    from dse.costmodel import BOUNDS, infeasible_message
+    from dse.vpod import VPodConfig
+    from dse.xla_cost import components_for, fit_key
 
     if args.seq_len > MAX_SEQ_LEN:
         raise NeuScaleError(f"--seq-len {args.seq_len} exceeds the largest bucket ({MAX_SEQ_LEN})")
-    arch = load_model(args.model)
     cat = _catalog(args)
-    chip = cat.get(args.chip)
-    par = Parallelism(args.tp, args.pp, args.ep)
-    validate_parallelism(arch, par)
-    if args.topology:
-        topo = ICITopology.parse(args.topology).for_chip(chip)
-    else:
-        topo = _compact_topology(chip, par.chips)
+    arch, chip, topo, par = _allocation(cat, args.model, args.chip, None, args.topology,
+                                        args.tp, args.pp, args.ep)
     vpod = VPodConfig.make(chip, topo, cat)
     dse = DSE(arch, cat)
     dse.ensure_fits([par], workers=1, progress=None if not args.json else False)
     r = dse.evaluate(Candidate(chip, topo, par), args.phase, np.asarray([args.batch]),
                      np.asarray([args.seq_len]))
-    fits = [dse.fits.fits[k] for k in dse.fits.fits if f"tp={par.tp}" in k]
+    fits = [dse.fits.fits[fit_key(c, par.tp, par.ep)] for c in components_for(arch, args.phase)]
     i = (0, 0)
     out = {
         "model": arch.name, "vpod": str(vpod), "accelerator_type": vpod.accelerator_type(cat),
@@ -473,12 +462,12 @@ def cmd_dse_verify(args: argparse.Namespace) -> int:
 
 # ---- sim step -------------------------------------------------------------------------------
 
-def _sim_allocation(cat, model: str, chip_name: str, num_chips: int | None, topology: str | None,
-                    tp: int, pp: int, ep: int):
+def _allocation(cat, model: str, chip_name: str, num_chips: int | None, topology: str | None,
+                tp: int, pp: int, ep: int):
+    """(arch, chip, topology, parallelism) of an allocation named on the command line."""
     from dse.costmodel import Parallelism, validate_parallelism
     from dse.models import load_model
     from dse.vpod import ICITopology
-    from sim.chip import ChipModel
     arch = load_model(model)
     chip = cat.get(chip_name)
     par = Parallelism(tp, pp, ep)
@@ -488,7 +477,16 @@ def _sim_allocation(cat, model: str, chip_name: str, num_chips: int | None, topo
         raise NeuScaleError(f"--chips {n} does not equal tp*pp*ep = {par.chips}")
     topo = (ICITopology.parse(topology).for_chip(chip) if topology
             else _compact_topology(chip, n))
-    return ChipModel(arch, chip, topo, par)
+    if topo.num_chips != par.chips:
+        raise NeuScaleError(f"{par} uses {par.chips} chips but topology {topo} has "
+                            f"{topo.num_chips}")
+    return arch, chip, topo, par
+
+
+def _sim_allocation(cat, model: str, chip_name: str, num_chips: int | None, topology: str | None,
+                    tp: int, pp: int, ep: int):
+    from sim.chip import ChipModel
+    return ChipModel(*_allocation(cat, model, chip_name, num_chips, topology, tp, pp, ep))
 
 
 def cmd_sim_step(args: argparse.Namespace) -> int:
