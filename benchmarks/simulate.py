@@ -32,6 +32,20 @@ def main() -> None:
     args = ap.parse_args()
     arch = load_model(args.model)
     db = build(arch, BuildOptions(progress=False))
+    # trace loading: the full day, parsed, against reading and decompressing its bytes alone
+    import gzip
+
+    from sim.traces import clear_cache, data_dir
+    day = data_dir() / "azure2024" / "azure2024_code_synth_2024-05-10_scale1.csv.gz"
+    t = time.perf_counter()
+    gzip.decompress(day.read_bytes())
+    raw_s = time.perf_counter() - t
+    clear_cache()
+    t = time.perf_counter()
+    full = load_trace("azure-code")
+    load_s = time.perf_counter() - t
+    print(f"azure-code day: {len(full):,} requests parsed in {load_s:.2f} s; read+gunzip alone "
+          f"{raw_s:.2f} s (ratio {load_s / raw_s:.1f}x)")
     tr = load_trace(args.trace, start=args.start, hours=args.hours)
     arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
                      np.asarray(tr.output_tokens))
