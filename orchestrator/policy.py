@@ -56,6 +56,11 @@ class PolicyConfig:
     ewma_alpha: float = 0.5           # weight of the newest epoch peak in the scale-in signal
     coalesce_below: float = 0.5       # N_L threshold for coalescing
     coalescing: bool = True
+    # Not in the paper: merge only into a group whose allocation meets the SLO of every merged
+    # bucket (checked conservatively with its latency at its own, longer bucket). Without it a
+    # short prompt can land on a deep pipeline built for long ones (DeepSeek-V3: a 128-token
+    # prefill on v6e-64 PP16 takes 0.24 s against a 0.10 s SLO).
+    coalesce_keep_slo: bool = True
     emergency: bool = True
     # The paper bypasses the x2 limit in an emergency but does not say by how much; one vPod per
     # max_batch queued requests is unbounded when max_batch is small (a queue of thousands of
@@ -88,12 +93,13 @@ class GroupSpec:
     max_batch: int
     throughput_tok_per_s: float
     best_len: int                    # longest bucket the allocation is the best fit for
+    latency_s: float = math.inf      # at best_len and max_batch (TTFT / TPOT)
 
     @classmethod
     def of(cls, e: Entry) -> "GroupSpec":
         gid = f"{e.chip}:{e.topology}/tp{e.tp}pp{e.pp}ep{e.ep}/b{e.max_batch}"
         return cls(gid, e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep, e.max_batch,
-                   e.throughput_tok_per_s, e.seq_len)
+                   e.throughput_tok_per_s, e.seq_len, e.latency_s)
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,8 @@ class Policy:
         self.db, self.phase, self.cfg = db, phase, config
         self.edges = db.edges
         allowed = config.failover_chips
+        slo = db.meta.get("slo_s", {}).get(phase)
+        self._slo = list(slo) if slo else [math.inf] * len(db.edges)
         self.failover_chips = [c for c in db.chips if allowed is None or c in allowed]
 
     # ---- best fit per bucket ------------------------------------------------------------------
@@ -238,10 +246,14 @@ class Policy:
                 for g in sorted(live, key=nl.get):
                     if nl[g] >= cfg.coalesce_below:
                         break
-                    longest = max(i for i in b2g if b2g[i] == g)
+                    mine = [i for i in b2g if b2g[i] == g]
+                    longest = max(mine)
                     target = next((b2g[i] for i in sorted(b2g) if i > longest and b2g[i] != g),
                                   None)
                     if target is None:
+                        continue
+                    if cfg.coalesce_keep_slo and specs[target].latency_s > min(
+                            self._slo[i] for i in mine):
                         continue
                     r_t = group_series(target).max()
                     t_t = specs[target].throughput_tok_per_s

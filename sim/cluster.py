@@ -26,6 +26,7 @@ group of its true total length, else to a random group whose best-fit length is 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -38,10 +39,10 @@ from dse.errors import NeuScaleError
 from dse.models import ModelArch
 from dse.vpod import ICITopology
 from orchestrator.policy import Action, Observation, Policy, PolicyConfig, PolicyState, VPod
-from router.routing import RoutingTable
+from router.routing import MIGRATE_FACTOR, RoutingTable, should_migrate
 
 from .chip import ChipModel
-from .engine import Engine
+from .fastengine import DecodeEngine, PrefillEngine
 from .stepcost import PipelineShare, StepCostTable
 
 CREATE_S = (73.0, 108.0)        # Table 3: create a vPod instance
@@ -59,23 +60,35 @@ class ClusterConfig:
     seed: int = 0
     max_batched_tokens: int = 8192
     warm_start: bool = True      # first plan at t=0 from the trace's first epoch
+    cache_tables: bool = True    # keep step-cost tables on disk (next to the XLA-fit cache)
 
 
 class VPodEngines:
     """The engines of one vPod: one, or ``pp`` pipeline virtual engines (vLLM's PP scheduling,
-    see :class:`sim.stepcost.PipelineShare`); a request goes to the least busy one."""
+    see :class:`sim.stepcost.PipelineShare`); a request goes to the one with the fewest
+    unfinished requests."""
 
-    def __init__(self, engines: list[Engine]):
+    def __init__(self, engines: list):
         self.engines = engines
+        self.loads = [0] * len(engines)
 
     def submit(self, req_id, arrival_s: float, prompt: int, output: int) -> None:
-        e = min(self.engines, key=lambda x: x.num_waiting + x.num_running)
-        e.submit(req_id, arrival_s, prompt, output)
+        loads = self.loads
+        k = 0 if len(loads) == 1 else loads.index(min(loads))
+        self.engines[k].submit(req_id, arrival_s, prompt, output)
+        loads[k] += 1
 
     def advance_to(self, t_s: float) -> list:
+        if len(self.engines) == 1:
+            out = self.engines[0].advance_to(t_s)
+            self.loads[0] -= len(out)
+            return out
         out = []
-        for e in self.engines:
-            out += e.advance_to(t_s)
+        for k, e in enumerate(self.engines):
+            done = e.advance_to(t_s)
+            if done:
+                self.loads[k] -= len(done)
+                out += done
         return out
 
     @property
@@ -87,11 +100,16 @@ class VPodEngines:
         return sum(e.num_waiting for e in self.engines)
 
     @property
-    def now_s(self) -> float | None:
-        return max((e.now_s or 0.0) for e in self.engines)
+    def now_s(self) -> float:
+        return max(e.now_s for e in self.engines)
 
     def energy_j(self) -> float:
-        return sum(e.stats().energy_j for e in self.engines)
+        return sum(e.energy_j() for e in self.engines)
+
+
+def _load(v: "SimVPod") -> float:
+    """Least-loaded choice within a group: outstanding tokens over the vPod's throughput."""
+    return v.outstanding / v.throughput_tok_per_s
 
 
 @dataclass
@@ -113,6 +131,7 @@ class SimVPod:
     outstanding: float = 0.0
     released_s: float | None = None
     drain_from_s: float | None = None
+    dcn_bytes_per_s: float = 1.0       # the vPod's DCN bandwidth (all its chips)
 
 
 @dataclass
@@ -125,6 +144,7 @@ class PhaseReport:
     vpod_hours: dict[str, float] = field(default_factory=dict)
     failovers: int = 0
     migrations: int = 0
+    dropped: int = 0      # larger than every vPod of its group's KV cache (counted as misses)
 
     def to_json(self) -> dict[str, Any]:
         return {"requests": self.requests, "tokens": self.tokens, "energy_j": self.energy_j,
@@ -133,7 +153,7 @@ class PhaseReport:
                 "tokens_per_usd": self.tokens / self.cost_usd if self.cost_usd else 0.0,
                 "slo_rate": self.slo_met / self.requests if self.requests else 0.0,
                 "vpod_hours": self.vpod_hours, "failovers": self.failovers,
-                "migrations": self.migrations}
+                "migrations": self.migrations, "dropped": self.dropped}
 
 
 class ClusterSim:
@@ -147,7 +167,13 @@ class ClusterSim:
         self.vpods: dict[str, SimVPod] = {}
         self._n_vpods = 0
         self._ready_by: dict[tuple[str, str], list[SimVPod]] = {}
+        self._active: list[SimVPod] = []          # not released yet
+        self._released_energy = {"prefill": 0.0, "decode": 0.0}
+        self._last_energy: dict[str, float] = {}
+        self._dropped = 0
+        self._kv_bytes = arch.kv_bytes_per_token()
         self.timeline: list[dict[str, Any]] = []
+        self.minutes: list[dict[str, Any]] = []
 
     # ---- allocations --------------------------------------------------------------------------
     def table(self, alloc: tuple) -> StepCostTable:
@@ -157,7 +183,11 @@ class ClusterSim:
             c = self.catalog.get(chip)
             cm = ChipModel(self.arch, c, ICITopology.parse(topo).for_chip(c),
                            Parallelism(tp, pp, ep))
-            t = self._tables[alloc] = StepCostTable(cm)
+            cache = None
+            if self.cfg.cache_tables:
+                from dse.xla_cost import cache_dir
+                cache = cache_dir().parent / "stepcost"
+            t = self._tables[alloc] = StepCostTable(cm, cache_dir=cache)
         return t
 
     def _startup_s(self, chip: str, par: Parallelism) -> float:
@@ -184,9 +214,12 @@ class ClusterSim:
         vid = f"{phase[0]}{self._n_vpods}"
         chips = par.chips
         ready = now + self._startup_s(a.chip, par)
-        self.vpods[vid] = SimVPod(vid, a.group, phase, a.chip, a.topology, chips,
-                                  (a.chip, a.topology, par.tp, par.pp, par.ep), mb, tput, now,
-                                  ready, a.failover)
+        v = SimVPod(vid, a.group, phase, a.chip, a.topology, chips,
+                    (a.chip, a.topology, par.tp, par.pp, par.ep), mb, max(tput, 1e-9), now,
+                    ready, a.failover,
+                    dcn_bytes_per_s=self.catalog.get(a.chip).dcn_bw_bytes_per_s * chips)
+        self.vpods[vid] = v
+        self._active.append(v)
 
     def _release(self, v: SimVPod, now: float) -> None:
         if v.state in ("draining", "released"):
@@ -205,95 +238,106 @@ class ClusterSim:
         arr = np.asarray(arrival_s, np.float64)[order]
         inp = np.asarray(input_tokens, np.int64)[order]
         out = np.asarray(output_tokens, np.int64)[order]
-        ttft = np.full(n, np.nan)
-        tpot = np.full(n, np.nan)
-        dec_bucket = np.zeros(n, np.int64)
+        if (inp < 1).any() or (out < 1).any():
+            raise NeuScaleError("every request needs >= 1 input and >= 1 output token")
+        self.ttft = ttft = np.full(n, np.nan)
+        self.tpot = tpot = np.full(n, np.nan)
         edges = np.asarray(self.db.edges)
         pre_bucket = np.searchsorted(edges, np.clip(inp, 1, edges[-1]), side="left")
         tot_bucket = np.searchsorted(edges, np.clip(inp + out, 1, edges[-1]), side="left")
         slo_p = np.asarray(self.db.meta["slo_s"]["prefill"])
         slo_d = np.asarray(self.db.meta["slo_s"]["decode"])
+        # Python lists: per-request scalar access without numpy scalars
+        self._arr, self._inp, self._out = arr.tolist(), inp.tolist(), out.tolist()
+        self._pb, self._tb = pre_bucket.tolist(), tot_bucket.tolist()
+        self._slo_p, self._slo_d = slo_p[pre_bucket].tolist(), slo_d[tot_bucket].tolist()
+        self._dec_start: dict[int, float] = {}
+        self._segments: dict[int, list] = {}
+        self._migrations = 0
         nb = len(self.db.edges)
         dt = pcfg.sample_s
         window = int(round(pcfg.window_s / dt))
-        samples = {ph: np.zeros((0, nb)) for ph in ("prefill", "decode")}
-        cur = {ph: np.zeros(nb) for ph in ("prefill", "decode")}
+        ring = {ph: np.zeros((window, nb)) for ph in ("prefill", "decode")}
+        filled = [0]
+        self._cur_d = [0.0] * nb
         states = {ph: PolicyState() for ph in ("prefill", "decode")}
-        routing: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
+        self._routing: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
+        self._cands: list = []
         specs: dict[str, dict] = {"prefill": {}, "decode": {}}
-        router_q: dict[tuple[str, str], list[tuple[float, int, int]]] = {}
+        self._router_q: dict[tuple[str, str], list] = {}
         peak_q: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}
+        self._minute = {"prefill": [0, 0], "decode": [0, 0]}      # [finished, met SLO]
+        self.minutes: list[dict[str, Any]] = []
         end = float(arr[-1]) + 1.0
         unrouted: list[int] = []
-        t = 0.0
-        i = 0
         epoch_every = int(round(pcfg.epoch_s / dt))
-        k = 0
+        minute_every = max(1, int(round(60.0 / dt)))
+
+        def samples(ph: str) -> np.ndarray:
+            k = filled[0]
+            r = ring[ph]
+            return r[:k] if k < window else np.roll(r, -(k % window), axis=0)
+
         if cfg.warm_start:   # the first plan sees the trace's first epoch (a running service)
             first = arr < pcfg.epoch_s
             for ph, b, tok in (("prefill", pre_bucket, inp), ("decode", tot_bucket, out)):
                 s = np.bincount(b[first], weights=tok[first], minlength=nb) / pcfg.epoch_s
-                samples[ph] = np.tile(s, (epoch_every, 1))
-            self._epoch(0.0, samples, states, routing, specs, peak_q, warm=True)
+                ring[ph][:epoch_every] = s
+            filled[0] = epoch_every
+            self._epoch(0.0, {ph: samples(ph) for ph in ring}, states, specs, peak_q)
             for v in self.vpods.values():
                 v.created_s -= v.ready_s     # already running at t = 0
                 v.ready_s = 0.0
-        while t < end or any(v.engine is not None and not v.engine.idle
-                             for v in self.vpods.values()):
+        t, i, k = 0.0, 0, 0
+        while t < end or any(v.engine is not None and not v.engine.idle for v in self._active):
             t_next = t + dt
             self._lifecycle(t_next)
             # arrivals of the slice -> prefill
             j = int(np.searchsorted(arr, t_next, side="left"))
-            for r in range(i, j):
-                cur["prefill"][pre_bucket[r]] += inp[r]
-                if routing["prefill"] is None:      # cold start: nothing planned yet
-                    unrouted.append(r)
-                    continue
-                g = routing["prefill"].prefill_group(int(inp[r]))
-                self._submit("prefill", g, r, float(arr[r]), int(inp[r]), 1, router_q, specs)
+            cur_p = np.bincount(pre_bucket[i:j], weights=inp[i:j], minlength=nb)
+            table = self._routing["prefill"]
+            if table is None:                 # cold start: nothing planned yet
+                unrouted.extend(range(i, j))
+            else:
+                groups, arr_l, inp_l, pb = table.groups, self._arr, self._inp, self._pb
+                for r in range(i, j):
+                    self._submit("prefill", groups[pb[r]], r, arr_l[r], inp_l[r], 1)
             i = j
-            self._flush(router_q, t_next, specs)
-            # prefill -> decode
-            for v in [v for v in self.vpods.values() if v.phase == "prefill" and v.engine]:
-                for req in v.engine.advance_to(t_next):
-                    r = req.req_id
-                    v.outstanding -= inp[r]
-                    ttft[r] = req.first_token_s - arr[r]
-                    if out[r] <= 1:
-                        tpot[r] = 0.0
-                        continue
-                    g = self._decode_group(routing["decode"], int(inp[r]), int(out[r]))
-                    dec_bucket[r] = tot_bucket[r]
-                    cur["decode"][tot_bucket[r]] += out[r]
-                    ready_at = req.finish_s + self._kv_transfer_s(v, int(inp[r]))
-                    self._submit("decode", g, r, ready_at, int(inp[r]), int(out[r]), router_q,
-                                 specs)
-            for v in [v for v in self.vpods.values() if v.phase == "decode" and v.engine]:
-                for req in v.engine.advance_to(t_next):
-                    r = req.req_id
-                    v.outstanding -= out[r]
-                    tpot[r] = req.tpot_s if req.tpot_s is not None else 0.0
+            self._flush()
+            for v in self._active:
+                if v.engine is not None and v.phase == "prefill":
+                    self._prefill_done(v, v.engine.advance_to(t_next))
+            for v in self._active:
+                if v.engine is not None and v.phase == "decode":
+                    self._decode_done(v, v.engine.advance_to(t_next))
             # samples and queues
-            for ph in ("prefill", "decode"):
-                samples[ph] = np.vstack([samples[ph], cur[ph] / dt])[-window:]
-                cur[ph] = np.zeros(nb)
-                for v in self.vpods.values():
-                    if v.phase == ph and v.engine is not None:
-                        q = v.engine.num_waiting
-                        peak_q[ph][v.group] = max(peak_q[ph].get(v.group, 0), q)
-                for (ph2, g), lst in router_q.items():
-                    if ph2 == ph:
-                        peak_q[ph][g] = max(peak_q[ph].get(g, 0), len(lst))
+            slot = filled[0] % window
+            ring["prefill"][slot] = cur_p / dt
+            ring["decode"][slot] = np.asarray(self._cur_d) / dt
+            self._cur_d = [0.0] * nb
+            filled[0] += 1
+            for v in self._active:
+                if v.engine is not None:
+                    pq = peak_q[v.phase]
+                    q = v.engine.num_waiting
+                    if q > pq.get(v.group, 0):
+                        pq[v.group] = q
+            for (ph, g), lst in self._router_q.items():
+                if len(lst) > peak_q[ph].get(g, 0):
+                    peak_q[ph][g] = len(lst)
             k += 1
             t = t_next
+            if k % minute_every == 0:
+                self._snapshot(t)
             # a controller that starts cold plans as soon as it has seen traffic
-            if (k % epoch_every == 0 and t < end) or (unrouted and routing["prefill"] is None):
-                self._epoch(t, samples, states, routing, specs, peak_q)
+            if (k % epoch_every == 0 and t < end) or (unrouted and
+                                                      self._routing["prefill"] is None):
+                self._epoch(t, {ph: samples(ph) for ph in ring}, states, specs, peak_q)
                 peak_q = {"prefill": {}, "decode": {}}
+                table = self._routing["prefill"]
                 for r in unrouted:
-                    g = routing["prefill"].prefill_group(int(inp[r]))
-                    self._submit("prefill", g, r, float(arr[r]), int(inp[r]), 1, router_q,
-                                 specs)
+                    self._submit("prefill", table.groups[self._pb[r]], r, self._arr[r],
+                                 self._inp[r], 1)
                 unrouted = []
             if progress:
                 progress(t)
@@ -302,85 +346,200 @@ class ClusterSim:
         return self._report(t, arr, inp, out, ttft, tpot, pre_bucket, tot_bucket, slo_p, slo_d)
 
     # ---- pieces -------------------------------------------------------------------------------
-    def _decode_group(self, table: RoutingTable, inp: int, out: int):
-        true_g = table.decode_group(inp, out)
-        if self.rng.random() < self.cfg.accuracy:
-            return true_g
-        cur_len = inp + 1
-        cands = sorted({g for g in table.groups if table.best_len.get(g, 0) >= cur_len})
-        return cands[int(self.rng.integers(len(cands)))] if cands else true_g
+    def _prefill_done(self, v: SimVPod, done: list) -> None:
+        """Prefilled requests: TTFT, then (output > 1) their KV goes to a decode vPod."""
+        ttft, tpot, inp_l, out_l = self.ttft, self.tpot, self._inp, self._out
+        mp = self._minute["prefill"]
+        for req in done:
+            r = req.req_id
+            x, y = inp_l[r], out_l[r]
+            v.outstanding -= x
+            ttft[r] = f = req.finish_s - self._arr[r]
+            mp[0] += 1
+            mp[1] += f <= self._slo_p[r]
+            if y <= 1:
+                tpot[r] = 0.0
+                continue
+            self._cur_d[self._tb[r]] += y
+            segs = self._decode_segments(x, y)
+            at = req.finish_s + self._kv_transfer_s(v, x)
+            self._dec_start[r] = at
+            g, m_end = segs[0]
+            if len(segs) > 1:
+                self._segments[r] = segs
+            self._submit("decode", g, r, at, x, m_end)
+
+    def _decode_done(self, v: SimVPod, done: list) -> None:
+        """Finished decode segments: the request's next segment (a migration), or its TPOT."""
+        md = self._minute["decode"]
+        for req in done:
+            r = req.req_id
+            v.outstanding -= req.output_tokens
+            segs = self._segments.get(r)
+            if segs is not None and len(segs) > 1:
+                m0 = segs[0][1]                   # tokens generated when it leaves
+                segs.pop(0)
+                g, m1 = segs[0]
+                kv = self._inp[r] + m0 - 1
+                self._migrations += 1
+                self._submit("decode", g, r, req.finish_s + self._kv_transfer_s(v, kv), kv,
+                             m1 - m0 + 1)
+                continue
+            self._segments.pop(r, None)
+            y = self._out[r]
+            self.tpot[r] = p = (req.finish_s - self._dec_start.pop(r)) / (y - 1)
+            md[0] += 1
+            md[1] += p <= self._slo_d[r]
+
+    def _decode_segments(self, inp: int, out: int) -> list[tuple[str, int]]:
+        """Where a request decodes: [(group, tokens generated when it leaves), ...].
+
+        The output length is predicted right with probability ``accuracy`` (§5.1), else the
+        request goes to a random group whose best-fit length is not shorter than its current
+        length. At every bucket boundary the remaining length is re-predicted (right with the
+        same probability; a wrong estimate is taken to say nothing beyond the current length)
+        and the router's migration rule (:func:`router.routing.should_migrate`) may move it on
+        (§3.4)."""
+        table = self._routing["decode"]
+        total = inp + out
+        g = table.decode_group(inp, out)
+        rng, acc = self.rng, self.cfg.accuracy
+        if rng.random() >= acc:
+            cands = self._cands
+            lo = bisect_left(cands, (inp + 1,))
+            if lo < len(cands):
+                g = cands[lo + int(rng.integers(len(cands) - lo))][1]
+        segs = []
+        best = table.best_len.get(g, 0)
+        if total <= MIGRATE_FACTOR * best:         # no estimate or length can pass 2x
+            return [(g, out)]
+        edges = table.edges
+        b = bisect_left(edges, inp + 1)
+        while b < len(edges) and edges[b] + 1 < total:
+            length = edges[b] + 1                  # enters the next bucket
+            est = total if rng.random() < acc else length
+            tgt = should_migrate(table, g, length, est)
+            if tgt is not None and tgt != g:
+                segs.append((g, length - inp))
+                g = tgt
+                if total <= MIGRATE_FACTOR * table.best_len.get(g, 0):
+                    break
+            b += 1
+        segs.append((g, out))
+        return segs
 
     def _kv_transfer_s(self, v: SimVPod, tokens: int) -> float:
-        bw = self.catalog.get(v.chip).dcn_bw_bytes_per_s * v.num_chips
-        return DCN_LATENCY_S + tokens * self.arch.kv_bytes_per_token() / bw
+        return DCN_LATENCY_S + tokens * self._kv_bytes / v.dcn_bytes_per_s
 
     def _ready(self, phase: str, group: str) -> list[SimVPod]:
         return self._ready_by.get((phase, group), [])
 
     def _index_ready(self) -> None:
-        """Ready vPods per (phase, group); rebuilt whenever a vPod changes state (once per
-        slice and after each epoch), not scanned per routed request."""
+        """Ready vPods per (phase, group) and the vPods not yet released; rebuilt whenever a
+        vPod changes state (once per slice and after each epoch), not scanned per request."""
         idx: dict[tuple[str, str], list[SimVPod]] = {}
-        for v in self.vpods.values():
+        active = []
+        for v in self._active:
             if v.state == "ready":
                 idx.setdefault((v.phase, v.group), []).append(v)
+            if v.state != "released":
+                active.append(v)
         self._ready_by = idx
+        self._active = active
 
-    def _submit(self, phase, group, r, at_s, inp, out, router_q, specs) -> None:
-        vs = self._ready(phase, group)
+    def _submit(self, phase, group, r, at_s, inp, out) -> None:
+        vs = self._ready_by.get((phase, group))
         if not vs:
-            router_q.setdefault((phase, group), []).append((at_s, r, inp, out))
+            self._router_q.setdefault((phase, group), []).append((at_s, r, inp, out))
             return
-        v = min(vs, key=lambda x: x.outstanding / max(x.throughput_tok_per_s, 1e-9))
+        v = vs[0] if len(vs) == 1 else min(vs, key=_load)
         tokens = inp if phase == "prefill" else out
         v.outstanding += tokens
         try:
             v.engine.submit(r, at_s, inp, out)
         except ValueError:      # larger than this vPod's KV cache: dropped (an SLO miss)
             v.outstanding -= tokens
+            self._dropped += 1
 
-    def _flush(self, router_q, now, specs) -> None:
-        for (ph, g), lst in list(router_q.items()):
-            if lst and self._ready(ph, g):
-                router_q[(ph, g)] = []
+    def _flush(self) -> None:
+        rq = self._router_q
+        for (ph, g), lst in list(rq.items()):
+            if lst and self._ready_by.get((ph, g)):
+                rq[(ph, g)] = []
                 for at_s, r, inp, out in lst:
-                    self._submit(ph, g, r, at_s, inp, out, router_q, specs)
+                    self._submit(ph, g, r, at_s, inp, out)
 
     def _lifecycle(self, t_next: float) -> None:
-        for v in self.vpods.values():
+        for v in self._active:
             if v.state == "starting" and v.ready_s < t_next:
                 v.state = "ready"
                 table = self.table(v.alloc)
                 pp = v.alloc[3]
                 cost = table if pp == 1 else PipelineShare(table, pp)
+                cls = PrefillEngine if v.phase == "prefill" else DecodeEngine
                 v.engine = VPodEngines([
-                    Engine(cost, mode=v.phase, max_batch=v.max_batch,
-                           max_batched_tokens=max(self.cfg.max_batched_tokens, v.max_batch),
-                           start_s=v.ready_s) for _ in range(pp)])
+                    cls(cost, max_batch=v.max_batch,
+                        max_batched_tokens=max(self.cfg.max_batched_tokens, v.max_batch),
+                        start_s=v.ready_s) for _ in range(pp)])
             if v.state == "draining" and (v.engine is None or v.engine.idle):
                 v.state = "released"
                 v.released_s = max(v.drain_from_s or 0.0,
-                                   v.engine.now_s or 0.0 if v.engine else 0.0) + DELETE_S
+                                   v.engine.now_s if v.engine else 0.0) + DELETE_S
+                self._released_energy[v.phase] += self._vpod_energy(v, v.released_s)
         self._index_ready()
 
-    def _epoch(self, now, samples, states, routing, specs, peak_q, warm=False) -> None:
+    def _vpod_energy(self, v: SimVPod, stop_s: float) -> float:
+        """Energy of a vPod from creation to ``stop_s``: static power while it starts up, its
+        engines (steps, and static power while idle) after."""
+        c = self.catalog.get(v.chip)
+        e = c.static_power_w * v.num_chips * max(0.0, min(v.ready_s, stop_s) - v.created_s)
+        if v.engine is not None:
+            v.engine.advance_to(stop_s)
+            e += v.engine.energy_j()
+        return e
+
+    def _snapshot(self, t: float) -> None:
+        """One row per minute and phase: vPods per group (ready), energy used in the minute,
+        requests finished and the share that met the SLO."""
+        for ph in ("prefill", "decode"):
+            groups: dict[str, int] = {}
+            energy = self._released_energy[ph]
+            for v in self._active:
+                if v.phase != ph:
+                    continue
+                if v.state == "ready":
+                    groups[v.group] = groups.get(v.group, 0) + 1
+                c = self.catalog.get(v.chip)
+                energy += c.static_power_w * v.num_chips * max(0.0, min(v.ready_s, t)
+                                                               - v.created_s)
+                if v.engine is not None:
+                    energy += v.engine.energy_j()
+            fin, met = self._minute[ph]
+            self._minute[ph] = [0, 0]
+            prev = self._last_energy.get(ph, 0.0)
+            self._last_energy[ph] = energy
+            self.minutes.append({"t_s": t, "phase": ph, "vpods": groups,
+                                 "energy_j": energy - prev, "finished": fin,
+                                 "slo_rate": met / fin if fin else None})
+
+    def _epoch(self, now, samples, states, specs, peak_q) -> None:
         for ph, pol in self.policies.items():
-            inv = [VPod(v.id, v.group, v.chip, v.topology, v.num_chips,
-                        "ready" if v.state == "ready" else v.state, v.failover,
+            inv = [VPod(v.id, v.group, v.chip, v.topology, v.num_chips, v.state, v.failover,
                         v.throughput_tok_per_s, v.max_batch)
-                   for v in self.vpods.values() if v.phase == ph and
-                   v.state in ("starting", "ready")]
+                   for v in self._active if v.phase == ph and v.state in ("starting", "ready")]
             used: dict[str, int] = {}
-            for v in self.vpods.values():
-                if v.state != "released":
-                    used[v.chip] = used.get(v.chip, 0) + v.num_chips
+            for v in self._active:
+                used[v.chip] = used.get(v.chip, 0) + v.num_chips
             avail = {c: q - used.get(c, 0) for c, q in self.cfg.quotas.items()}
             rates = {b: samples[ph][:, b] for b in range(samples[ph].shape[1])
                      if samples[ph][:, b].any()}
             plan = pol.plan(Observation(now, rates, inv, peak_q[ph], avail), states[ph])
             states[ph] = plan.state
             specs[ph].update(plan.groups)
-            routing[ph] = plan.routing
+            self._routing[ph] = plan.routing
+            if ph == "decode":     # mis-predicted requests pick among these (by length)
+                self._cands = sorted((plan.routing.best_len.get(g, 0), g)
+                                     for g in set(plan.routing.groups))
             for a in plan.actions:
                 if a.kind == "create":
                     self._create(ph, a, now, plan.groups[a.group])
@@ -401,11 +560,7 @@ class ClusterSim:
             r = rep[v.phase]
             c = self.catalog.get(v.chip)
             stop = v.released_s if v.released_s is not None else t_end
-            if v.engine is not None:
-                v.engine.advance_to(stop)
-                r.energy_j += v.engine.energy_j()
-            r.energy_j += c.static_power_w * v.num_chips * max(0.0, min(v.ready_s, stop)
-                                                               - v.created_s)
+            r.energy_j += self._vpod_energy(v, stop)
             held_s = max(0.0, stop - v.created_s)
             r.cost_usd += v.num_chips * c.price_usd_per_chip_hour * held_s / 3600
             r.vpod_hours[v.chip] = r.vpod_hours.get(v.chip, 0.0) + held_s / 3600
@@ -418,7 +573,10 @@ class ClusterSim:
         d.requests = int(multi.sum())
         d.tokens = int((out[multi] - 1).sum())
         d.slo_met = int(np.sum((tpot <= slo_d[tb]) & multi))
-        self.ttft, self.tpot = ttft, tpot
+        d.migrations = self._migrations
+        p.dropped = int(np.isnan(ttft).sum())
+        d.dropped = int((np.isnan(tpot) & multi).sum())
+        self.requests = (arr, inp, out)       # the order of self.ttft / self.tpot
         return rep
 
 

@@ -18,9 +18,13 @@ The table implements the engine's step-cost protocol (:class:`sim.engine.StepCos
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import tempfile
 from bisect import bisect_right
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -59,24 +63,29 @@ def _interp2(lgx: np.ndarray, lgy: np.ndarray, lt: np.ndarray, x, y) -> np.ndarr
 _TINY = 1e-30   # tables hold log values: a zero cost becomes a negligible positive one
 
 
-def _interp1_scalar(lg: list[float], lt: list[float], x: float) -> float:
-    lx = math.log(min(max(x, math.exp(lg[0])), math.exp(lg[-1])))
+def _interp1_scalar(lg: list[float], lt: list[float], le: list[float], x: float
+                    ) -> tuple[float, float]:
+    """Two tables on one grid (latency and energy) at ``x``, log-log."""
+    lx = min(max(math.log(x), lg[0]), lg[-1])
     i = min(max(bisect_right(lg, lx) - 1, 0), len(lg) - 2)
     f = (lx - lg[i]) / (lg[i + 1] - lg[i])
-    return math.exp(lt[i] + f * (lt[i + 1] - lt[i]))
+    return (math.exp(lt[i] + f * (lt[i + 1] - lt[i])),
+            math.exp(le[i] + f * (le[i + 1] - le[i])))
 
 
-def _interp2_scalar(lgx: list[float], lgy: list[float], lt: list[list[float]], x: float,
-                    y: float) -> float:
+def _interp2_scalar(lgx: list[float], lgy: list[float], lt: list[list[float]],
+                    le: list[list[float]], x: float, y: float) -> tuple[float, float]:
     lx = min(max(math.log(x), lgx[0]), lgx[-1])
     ly = min(max(math.log(y), lgy[0]), lgy[-1])
     i = min(max(bisect_right(lgx, lx) - 1, 0), len(lgx) - 2)
     j = min(max(bisect_right(lgy, ly) - 1, 0), len(lgy) - 2)
     fx = (lx - lgx[i]) / (lgx[i + 1] - lgx[i])
     fy = (ly - lgy[j]) / (lgy[j + 1] - lgy[j])
+    gx, gy = 1 - fx, 1 - fy
     a, b = lt[i], lt[i + 1]
-    return math.exp((1 - fx) * ((1 - fy) * a[j] + fy * a[j + 1])
-                    + fx * ((1 - fy) * b[j] + fy * b[j + 1]))
+    c, d = le[i], le[i + 1]
+    return (math.exp(gx * (gy * a[j] + fy * a[j + 1]) + fx * (gy * b[j] + fy * b[j + 1])),
+            math.exp(gx * (gy * c[j] + fy * c[j + 1]) + fx * (gy * d[j] + fy * d[j + 1])))
 
 
 @dataclass
@@ -87,6 +96,7 @@ class StepCostTable:
     max_tokens: int = 1 << 17
     max_seqs: int = 2048
     max_kv_per_seq: int = 1 << 20
+    cache_dir: Path | None = None     # tables are reused across runs from here (npz per key)
 
     def __post_init__(self) -> None:
         cm = self.model
@@ -104,6 +114,26 @@ class StepCostTable:
         self.g_tok2 = _grid(1.0 / ep, self.max_tokens, 2, small_ints=8)
         self.g_seq2 = _grid(1, self.max_seqs, 2, small_ints=8)
 
+        arrays = self._load()
+        if arrays is None:
+            arrays = self._tabulate()
+            self._save(arrays)
+        (self.t_tok, self.e_tok, self.t_head, self.e_head, self.t_pre, self.e_pre, self.t_dec,
+         self.e_dec) = arrays
+        # logs of grids and tables, as arrays (vector path) and Python lists (scalar path)
+        self._v = tuple(np.log(a) for a in (self.g_tok, self.g_seq, self.g_ctx, self.t_tok,
+                                            self.e_tok, self.t_head, self.e_head, self.t_pre,
+                                            self.e_pre, self.t_dec, self.e_dec, self.g_tok2,
+                                            self.g_seq2))
+        self._s = tuple(a.tolist() for a in self._v)
+        self._rows: dict[float, tuple] = {}      # decode-only steps by batch size
+        self._ep = ep
+        self._heads: dict[int, tuple[float, float]] = {}
+
+    def _tabulate(self) -> tuple[np.ndarray, ...]:
+        """Evaluate the chip model on the grids (0.1-3 s; cached on disk when ``cache_dir``)."""
+        cm, ep = self.model, self.model.par.ep
+
         def part(name, **kw):
             v = cm.parts_local(**{"p_loc": 0.0, "c_loc": 0.0, "nd_loc": 0.0, "kv_loc": 0.0,
                                   "logits": 0.0, "stage_tokens": 0.0, **kw})[name]
@@ -115,18 +145,54 @@ class StepCostTable:
                for p in self.g_tok2]
         dec = [[part("decode_attn", nd_loc=n, kv_loc=n * L) for L in self.g_ctx]
                for n in self.g_seq2]
-        self.t_tok, self.e_tok = (np.array(x) for x in zip(*tok))
-        self.t_head, self.e_head = (np.array(x) for x in zip(*head))
-        self.t_pre = np.array([[x[0] for x in row] for row in pre])
-        self.e_pre = np.array([[x[1] for x in row] for row in pre])
-        self.t_dec = np.array([[x[0] for x in row] for row in dec])
-        self.e_dec = np.array([[x[1] for x in row] for row in dec])
-        # logs of grids and tables, as arrays (vector path) and Python lists (scalar path)
-        self._v = tuple(np.log(a) for a in (self.g_tok, self.g_seq, self.g_ctx, self.t_tok,
-                                            self.e_tok, self.t_head, self.e_head, self.t_pre,
-                                            self.e_pre, self.t_dec, self.e_dec, self.g_tok2,
-                                            self.g_seq2))
-        self._s = tuple(a.tolist() for a in self._v)
+        t_tok, e_tok = (np.array(x) for x in zip(*tok))
+        t_head, e_head = (np.array(x) for x in zip(*head))
+        return (t_tok, e_tok, t_head, e_head,
+                np.array([[x[0] for x in row] for row in pre]),
+                np.array([[x[1] for x in row] for row in pre]),
+                np.array([[x[0] for x in row] for row in dec]),
+                np.array([[x[1] for x in row] for row in dec]))
+
+    def cache_key(self) -> str:
+        """Model fingerprint, chip spec, allocation, grids and the chip model's source code."""
+        cm = self.model
+        h = hashlib.sha256()
+        for part in (cm.arch.fingerprint(), repr(cm.chip), str(cm.topo), repr(cm.par),
+                     repr((self.max_tokens, self.max_seqs, self.max_kv_per_seq))):
+            h.update(part.encode())
+        here = Path(__file__).resolve().parent
+        for f in ("chip.py", "hardware.py", "stepcost.py"):
+            h.update((here / f).read_bytes())
+        return h.hexdigest()[:24]
+
+    def _path(self) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        cm = self.model
+        return Path(self.cache_dir) / (f"{cm.arch.name}-{cm.chip.name}-{cm.topo}-tp{cm.par.tp}"
+                                       f"pp{cm.par.pp}ep{cm.par.ep}-{self.cache_key()}.npz")
+
+    _NAMES = ("t_tok", "e_tok", "t_head", "e_head", "t_pre", "e_pre", "t_dec", "e_dec")
+
+    def _load(self):
+        p = self._path()
+        if p is None or not p.exists():
+            return None
+        try:
+            with np.load(p) as z:
+                return tuple(z[k] for k in self._NAMES)
+        except (OSError, KeyError, ValueError):      # a damaged file is rebuilt
+            return None
+
+    def _save(self, arrays) -> None:
+        p = self._path()
+        if p is None:
+            return
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp.npz")
+        os.close(fd)
+        np.savez(tmp, **dict(zip(self._NAMES, arrays)))
+        os.replace(tmp, p)
 
     def _local(self, prefill_tokens, prefill_ctx, n_decode, decode_kv):
         ep = self.model.par.ep
@@ -165,6 +231,29 @@ class StepCostTable:
         lat = lat + STEP_OVERHEAD_S
         return lat, dyn + self.static_power_w * self.num_chips * lat
 
+    def step1(self, prefill_tokens: float, prefill_ctx: float, n_decode: float,
+              decode_kv: float) -> tuple[float, float]:
+        """One step from Python floats (the event-driven engines' path, no numpy)."""
+        return self._step_scalar(prefill_tokens, prefill_ctx, n_decode, decode_kv)
+
+    def decode_line(self, n: float, kv0: float, kv1: float) -> tuple[float, float, float, float]:
+        """Latency and energy of decode-only steps of ``n`` sequences at summed KV ``kv0`` and
+        ``kv1``, in one call (the event-driven decode engine's phase endpoints)."""
+        row = self._rows.get(n) or self._decode_row(n)
+        gc = self._s[2]
+        lo, hi, last = gc[0], gc[-1], len(gc) - 2
+        lr, er = row[2], row[3]
+        w = self.static_power_w * self.num_chips
+        out = []
+        for kv in (kv0, kv1):
+            ly = min(max(math.log(kv / n), lo), hi)
+            j = min(max(bisect_right(gc, ly) - 1, 0), last)
+            f = (ly - gc[j]) / (gc[j + 1] - gc[j])
+            lat = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j])) + STEP_OVERHEAD_S
+            out.append(lat)
+            out.append(row[1] + math.exp(er[j] + f * (er[j + 1] - er[j])) + w * lat)
+        return out[0], out[1], out[2], out[3]
+
     def _decode_run(self, nd_glob: float, kv: np.ndarray):
         """A run of decode-only steps of one batch (the engine's vectorised phase): every term
         but decode attention is one scalar; attention is a 1-D interpolation along KV."""
@@ -185,9 +274,41 @@ class StepCostTable:
         return lat, dyn0 - self.static_power_w * self.num_chips * lat0 + att_e \
             + self.static_power_w * self.num_chips * lat
 
-    def _step_scalar(self, p: float, ctx: float, nd_glob: float, kv: float):
+    def _decode_row(self, nd_glob: float) -> tuple:
+        """Everything of a decode-only step of ``nd_glob`` sequences but the KV length: the
+        constant terms and the attention row interpolated at the batch size."""
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
-        ep = self.model.par.ep
+        lat0, dyn0 = self._step_scalar(0.0, 0.0, nd_glob, 0.0)
+        lat0 -= STEP_OVERHEAD_S
+        dyn0 -= self.static_power_w * self.num_chips * (lat0 + STEP_OVERHEAD_S)
+        nd = math.ceil(nd_glob / self.model.par.ep)
+        lx = min(max(math.log(nd), gs2[0]), gs2[-1])
+        i = min(max(bisect_right(gs2, lx) - 1, 0), len(gs2) - 2)
+        fx = (lx - gs2[i]) / (gs2[i + 1] - gs2[i])
+        lrow = [(1 - fx) * a + fx * b for a, b in zip(td[i], td[i + 1])]
+        erow = [(1 - fx) * a + fx * b for a, b in zip(ed[i], ed[i + 1])]
+        row = (lat0, dyn0, lrow, erow)
+        self._rows[nd_glob] = row
+        return row
+
+    def _head(self, logits: int) -> tuple[float, float]:
+        s = self._s
+        v = self._heads[logits] = _interp1_scalar(s[1], s[5], s[6], logits)
+        return v
+
+    def _step_scalar(self, p: float, ctx: float, nd_glob: float, kv: float):
+        if p == 0.0 and nd_glob > 0.0 and kv > 0.0:      # decode-only: the common case
+            row = self._rows.get(nd_glob) or self._decode_row(nd_glob)
+            gc = self._s[2]
+            ly = min(max(math.log(kv / nd_glob), gc[0]), gc[-1])
+            j = min(max(bisect_right(gc, ly) - 1, 0), len(gc) - 2)
+            f = (ly - gc[j]) / (gc[j + 1] - gc[j])
+            lr, er = row[2], row[3]
+            lat = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j])) + STEP_OVERHEAD_S
+            dyn = row[1] + math.exp(er[j] + f * (er[j + 1] - er[j]))
+            return lat, dyn + self.static_power_w * self.num_chips * lat
+        gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
+        ep = self._ep
         p, ctx = p / ep, ctx / ep
         nd = math.ceil(nd_glob / ep)
         kv = kv * nd / nd_glob if nd_glob > 0 else 0.0
@@ -195,17 +316,21 @@ class StepCostTable:
         lat = dyn = 0.0
         t = p + nd
         if t > 0:
-            lat += _interp1_scalar(gt, tt, t)
-            dyn += _interp1_scalar(gt, et, t)
+            x, y = _interp1_scalar(gt, tt, et, t)
+            lat += x
+            dyn += y
         if logits > 0:
-            lat += _interp1_scalar(gs, th, logits)
-            dyn += _interp1_scalar(gs, eh, logits)
+            x, y = self._heads.get(logits) or self._head(logits)
+            lat += x
+            dyn += y
         if p > 0:
-            lat += _interp2_scalar(gt2, gc, tp, p, ctx / p)
-            dyn += _interp2_scalar(gt2, gc, ep_, p, ctx / p)
+            x, y = _interp2_scalar(gt2, gc, tp, ep_, p, ctx / p)
+            lat += x
+            dyn += y
         if nd > 0 and kv > 0:
-            lat += _interp2_scalar(gs2, gc, td, nd, kv / nd)
-            dyn += _interp2_scalar(gs2, gc, ed, nd, kv / nd)
+            x, y = _interp2_scalar(gs2, gc, td, ed, nd, kv / nd)
+            lat += x
+            dyn += y
         lat += STEP_OVERHEAD_S
         return lat, dyn + self.static_power_w * self.num_chips * lat
 
@@ -253,8 +378,19 @@ class PipelineShare:
         self.kv_capacity_tokens = table.kv_capacity_tokens // depth
         self.kv_bytes_per_token = table.kv_bytes_per_token
         self.host_bw_bytes_per_s = table.host_bw_bytes_per_s / depth
+        self._static_shed = table.static_power_w * self.num_chips * (1 - 1 / depth)
 
     def step(self, prefill_tokens, prefill_ctx, n_decode, decode_kv):
         lat, en = self.table.step(prefill_tokens, prefill_ctx, n_decode, decode_kv)
         static = self.table.static_power_w * self.num_chips * lat
         return lat, en - static + static / self.depth
+
+    def step1(self, prefill_tokens: float, prefill_ctx: float, n_decode: float,
+              decode_kv: float) -> tuple[float, float]:
+        lat, en = self.table._step_scalar(prefill_tokens, prefill_ctx, n_decode, decode_kv)
+        return lat, en - self._static_shed * lat
+
+    def decode_line(self, n: float, kv0: float, kv1: float) -> tuple[float, float, float, float]:
+        a, ea, b, eb = self.table.decode_line(n, kv0, kv1)
+        shed = self._static_shed
+        return a, ea - shed * a, b, eb - shed * b

@@ -200,3 +200,24 @@ def test_multipool_splits_buckets_by_percentile(db):
     assert set(p.target) == {short.id, long_.id}       # no coalescing between pools
     one = MultiPoolPolicy(db, "decode", lens, 1)
     assert len({s.id for s in one.pool_of.values()}) == 1
+
+
+def test_coalescing_keeps_the_slo_of_the_merged_buckets(db):
+    ph = "decode"
+    idx = [i for i in range(47) if spec(db, ph, i)[1] != spec(db, ph, i + 1)[1]]
+    i = idx[0]
+    e_small, g_small = spec(db, ph, i)
+    e_big, g_big = spec(db, ph, i + 1)
+    slo_small = db.meta["slo_s"][ph][i]
+    # the longer group's allocation is too slow for the short bucket's SLO
+    slow = [dataclasses.replace(x, latency_s=1.01 * slo_small)
+            if x.phase == ph and x.seq_len == db.edges[i + 1] else x for x in db.entries]
+    sdb = BestFitDB(dict(db.meta), slow, db.pareto, db.explain)
+    obs = Observation(0.0, {i: flat(0.1 * e_small.throughput_tok_per_s),
+                            i + 1: flat(2.5 * e_big.throughput_tok_per_s)})
+    p = Policy(sdb, ph).plan(obs)
+    assert not any(a.kind == "merge_group" for a in p.actions)
+    assert p.routing.group_for_length(db.edges[i]) == g_small
+    # the paper's rule alone (room, N_L) merges it
+    p = Policy(sdb, ph, PolicyConfig(coalesce_keep_slo=False)).plan(obs)
+    assert p.routing.group_for_length(db.edges[i]) == g_big

@@ -1,0 +1,138 @@
+"""The event-driven prefill/decode engines (sim/fastengine.py) against the reference engine
+(sim/engine.py, one step per iteration) in the same mode: same schedule, same times, same
+energy, on the affine test model and on the chip model's step-cost table."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dse import default_catalog, load_model
+from dse.costmodel import Parallelism
+from dse.vpod import ICITopology
+from sim.chip import ChipModel
+from sim.engine import AffineStepCost, Engine
+from sim.fastengine import DecodeEngine, PrefillEngine
+from sim.stepcost import PipelineShare, StepCostTable
+
+
+def affine(kv_capacity_tokens: int) -> AffineStepCost:
+    # memory-bound decode (latency affine in the summed KV): the linearised phases are exact
+    return AffineStepCost(num_chips=4, static_power_w=50.0, kv_capacity_tokens=kv_capacity_tokens,
+                          kv_bytes_per_token=131072.0, host_bw_bytes_per_s=16e9,
+                          c0_s=2e-3, c_tok_s=2e-5, c_ctx_s=1e-9, c_seq_s=2e-5, m0_s=8e-3,
+                          m_kv_s=5e-7, m_seq_s=1e-5, m_tok_s=1e-6, e_tok_j=0.05, e_ctx_j=1e-6,
+                          e_seq_j=0.02, e_kv_j=1e-4)
+
+
+@pytest.fixture(scope="module")
+def table():
+    chip = default_catalog().get("v6e")
+    return StepCostTable(ChipModel(load_model("llama3-8b"), chip, ICITopology.parse("1x1"),
+                                   Parallelism(1)))
+
+
+def workload(seed, n, gap_s, prompt=(16, 512), output=(1, 800)):
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(gap_s, n))
+    p = rng.integers(*prompt, n)
+    o = rng.integers(*output, n)
+    return [(i, float(t[i]), int(p[i]), int(o[i])) for i in range(n)]
+
+
+def compare(ref: Engine, fast, reqs, fast_reqs, rtol):
+    for (i, *_), fr in zip(reqs, fast_reqs):
+        rr = ref.requests[i]
+        assert fr.finish_s == pytest.approx(rr.finish_s, rel=rtol, abs=1e-9), i
+        assert fr.first_token_s == pytest.approx(rr.first_token_s, rel=rtol, abs=1e-9), i
+        assert fr.preemptions == rr.preemptions
+    assert fast.energy_j() == pytest.approx(ref.stats().energy_j, rel=rtol)
+    assert fast.steps == ref.stats().steps
+
+
+def run_pair(mode, cost, reqs, max_batch, mbt, step_s=None):
+    ref = Engine(cost, mode=mode, max_batch=max_batch, max_batched_tokens=mbt, exact=True)
+    cls = DecodeEngine if mode == "decode" else PrefillEngine
+    fast = cls(cost, max_batch=max_batch, max_batched_tokens=mbt)
+    for r in reqs:
+        ref.submit(*r)
+    ref.run_until_idle()
+    got, handles = [], []
+    if step_s is None:                          # everything submitted up front
+        handles = [fast.submit(*r) for r in reqs]
+        got = fast.run_until_idle()
+    else:                                       # just-in-time submission, small advances
+        i, t = 0, 0.0
+        while len(got) < len(reqs):
+            t += step_s
+            while i < len(reqs) and reqs[i][1] <= t:
+                handles.append(fast.submit(*reqs[i]))
+                i += 1
+            got += fast.advance_to(t)
+    assert sorted(r.req_id for r in got) == [r[0] for r in reqs]
+    ref.advance_to(fast.now_s)                  # same horizon for the idle energy
+    fast.advance_to(ref.now_s)
+    return ref, fast, handles
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("step_s", [None, 0.0137])
+def test_decode_engine_matches_the_reference_with_preemption(seed, step_s):
+    reqs = workload(seed, 200, 0.05)
+    ref, fast, handles = run_pair("decode", affine(4096), reqs, 32, 512, step_s)
+    assert ref.stats().preemptions > 20             # the small KV cache forces swapping
+    assert fast.preemptions == ref.stats().preemptions
+    compare(ref, fast, reqs, handles, 1e-9)
+    assert fast.cost_calls * 10 < ref.stats().cost_calls
+
+
+@pytest.mark.parametrize("step_s", [None, 0.5])
+def test_prefill_engine_matches_the_reference(step_s):
+    reqs = workload(3, 300, 0.004, prompt=(16, 3000))
+    ref, fast, handles = run_pair("prefill", affine(1 << 16), reqs, 16, 2048, step_s)
+    compare(ref, fast, reqs, handles, 1e-12)
+    # chunked: some requests took several steps, some steps held several requests
+    assert ref.stats().steps < len(reqs) * 2
+
+
+def test_decode_engine_on_the_chip_model_table(table):
+    full = table.kv_capacity_tokens
+    table.kv_capacity_tokens = 60000
+    try:
+        reqs = workload(5, 300, 0.01, prompt=(50, 3000), output=(1, 600))
+        ref, fast, handles = run_pair("decode", table, reqs, 128, 8192, 0.25)
+    finally:
+        table.kv_capacity_tokens = full
+    assert ref.stats().preemptions > 0
+    # the table is log-log interpolated: a phase's linearised latency is within 1e-4
+    compare(ref, fast, reqs, handles, 1e-4)
+    tpot_ref = np.array([ref.requests[i].tpot_s or 0 for i, *_ in reqs])
+    tpot = np.array([h.tpot_s or 0 for h in handles])
+    np.testing.assert_allclose(tpot, tpot_ref, rtol=1e-4)
+
+
+def test_pipeline_share_and_a_single_long_request(table):
+    share = PipelineShare(table, 4)
+    fast = DecodeEngine(share, max_batch=8, max_phase_steps=64)
+    ref = Engine(share, mode="decode", max_batch=8, exact=True)
+    for e in (fast, ref):
+        e.submit("a", 0.0, 1000, 3000)
+    h = fast.submit("b", 0.2, 10, 2)
+    ref.submit("b", 0.2, 10, 2)
+    ref.run_until_idle()
+    got = fast.run_until_idle()
+    assert {r.req_id for r in got} == {"a", "b"}
+    assert h.finish_s == pytest.approx(ref.requests["b"].finish_s, rel=1e-5)
+    assert fast.steps == ref.stats().steps == 2999
+    assert fast.energy_j() == pytest.approx(ref.stats().energy_j, rel=1e-5)
+    assert math.isclose(fast.now_s, ref.now_s, rel_tol=1e-5)
+
+
+def test_refuses_requests_larger_than_the_kv_cache():
+    e = DecodeEngine(affine(1024))
+    with pytest.raises(ValueError, match="more than the vPod"):
+        e.submit(0, 0.0, 1000, 100)
+    p = PrefillEngine(affine(1024))
+    with pytest.raises(ValueError, match="more than the vPod"):
+        p.submit(0, 0.0, 2000)
