@@ -321,10 +321,8 @@ def _quota(text: str | None) -> dict[str, int]:
 def cmd_simulate(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from dse.builder import BuildOptions, build
     from dse.db import BestFitDB
     from dse.models import load_model
-    from dse.xla_cost import cache_dir
     from orchestrator.policy import PolicyConfig
     from sim.cluster import ClusterConfig, ClusterSim, ideal_report, make_policies
     from sim.traces import load_trace
@@ -343,22 +341,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.db:
         db = BestFitDB.load(args.db)
     else:
-        # the engines run on the chip model, so the default DB's best fits are checked on it
-        # (dse verify); cached after the first build
-        from sim.validate import verify_db
-        key = f"{arch.name}-{arch.fingerprint()}-{args.metric}-{args.slo_scale:g}-" \
-              f"{'_'.join(chips) if chips else 'all'}-verified.json"
-        path = cache_dir().parent / "db" / key
-        if path.exists():
-            db = BestFitDB.load(path)
-        else:
-            print(f"building and verifying the best-fit database for {arch.name} (cached at "
-                  f"{path})", file=sys.stderr)
-            db = build(arch, BuildOptions(metric=args.metric, slo_scale=args.slo_scale,
-                                          chips=chips, progress=None if not args.json
-                                          else False), catalog=cat)
-            db = verify_db(db, arch, cat)
-            db.save(path)
+        from sim.cluster import verified_db
+        db = verified_db(arch, args.metric, args.slo_scale, chips, cat,
+                         progress=None if not args.json else False)
     tr = load_trace(args.trace, hours=args.hours, start=args.start, rate_scale=args.rate_scale,
                     seed=args.seed)
     fo = tuple(c for c in args.failover_chips.split(",") if c.strip()) \

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -57,9 +57,10 @@ class PolicyConfig:
     coalesce_below: float = 0.5       # N_L threshold for coalescing
     coalescing: bool = True
     # Not in the paper: merge only into a group whose allocation meets the SLO of every merged
-    # bucket (checked conservatively with its latency at its own, longer bucket). Without it a
-    # short prompt can land on a deep pipeline built for long ones (DeepSeek-V3: a 128-token
-    # prefill on v6e-64 PP16 takes 0.24 s against a 0.10 s SLO).
+    # bucket (its latency at the merged lengths from the policy's latency oracle, else, more
+    # conservatively, its latency at its own longer bucket). Without it a short prompt can land
+    # on a deep pipeline built for long ones (DeepSeek-V3: a 128-token prefill on v6e-64 PP16
+    # takes 0.24 s against a 0.10 s SLO).
     coalesce_keep_slo: bool = True
     emergency: bool = True
     # The paper bypasses the x2 limit in an emergency but does not say by how much; one vPod per
@@ -167,10 +168,20 @@ class Plan:
                 "routing": {str(e): g for e, g in zip(self.routing.edges, self.routing.groups)}}
 
 
-class Policy:
-    """One autoscaler for one phase (prefill and decode are scaled independently)."""
+LatencyFn = Callable[[GroupSpec, str, int], float]
 
-    def __init__(self, db: BestFitDB, phase: str, config: PolicyConfig = PolicyConfig()):
+
+class Policy:
+    """One autoscaler for one phase (prefill and decode are scaled independently).
+
+    ``latency_fn(spec, phase, length)``: the latency (TTFT or TPOT, s) of a group's allocation
+    at its max batch for sequences of ``length`` tokens -- a pure function of the allocation,
+    e.g. the chip model's (the simulator passes its step-cost tables). The coalescing SLO check
+    uses it; without it the check takes the group's latency at its own bucket (an upper bound).
+    """
+
+    def __init__(self, db: BestFitDB, phase: str, config: PolicyConfig = PolicyConfig(),
+                 latency_fn: LatencyFn | None = None):
         if phase not in ("prefill", "decode"):
             raise NeuScaleError(f"phase must be 'prefill' or 'decode' (got {phase!r})")
         self.db, self.phase, self.cfg = db, phase, config
@@ -178,6 +189,8 @@ class Policy:
         allowed = config.failover_chips
         slo = db.meta.get("slo_s", {}).get(phase)
         self._slo = list(slo) if slo else [math.inf] * len(db.edges)
+        self.latency_fn = latency_fn
+        self._lat_memo: dict[tuple[str, int], float] = {}
         self.failover_chips = [c for c in db.chips if allowed is None or c in allowed]
 
     # ---- best fit per bucket ------------------------------------------------------------------
@@ -203,6 +216,16 @@ class Policy:
             specs.setdefault(g.id, g)
             b2g[i] = g.id
         return b2g, specs
+
+    def _latency(self, spec: GroupSpec, i: int) -> float:
+        """Latency of ``spec``'s allocation on bucket ``i`` (memoised; see the class doc)."""
+        if self.latency_fn is None or spec.tp == 0:
+            return spec.latency_s
+        key = (spec.id, i)
+        v = self._lat_memo.get(key)
+        if v is None:
+            v = self._lat_memo[key] = float(self.latency_fn(spec, self.phase, self.edges[i]))
+        return v
 
     # ---- the plan -----------------------------------------------------------------------------
     def plan(self, obs: Observation, state: PolicyState | None = None) -> Plan:
@@ -252,8 +275,8 @@ class Policy:
                                   None)
                     if target is None:
                         continue
-                    if cfg.coalesce_keep_slo and specs[target].latency_s > min(
-                            self._slo[i] for i in mine):
+                    if cfg.coalesce_keep_slo and not all(
+                            self._latency(specs[target], i) <= self._slo[i] for i in mine):
                         continue
                     r_t = group_series(target).max()
                     t_t = specs[target].throughput_tok_per_s

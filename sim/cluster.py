@@ -162,6 +162,9 @@ class ClusterSim:
         self.arch, self.db, self.cfg = arch, db, config
         self.catalog = catalog or default_catalog()
         self.policies = dict(policies)
+        for pol in self.policies.values():     # the coalescing SLO check asks the chip model
+            if getattr(pol, "latency_fn", False) is None:
+                pol.latency_fn = self.latency_of
         self.rng = np.random.default_rng(config.seed)
         self._tables: dict[tuple, StepCostTable] = {}
         self.vpods: dict[str, SimVPod] = {}
@@ -172,6 +175,7 @@ class ClusterSim:
         self._last_energy: dict[str, float] = {}
         self._dropped = 0
         self._kv_bytes = arch.kv_bytes_per_token()
+        self._draws: list[float] = []
         self.timeline: list[dict[str, Any]] = []
         self.minutes: list[dict[str, Any]] = []
 
@@ -189,6 +193,16 @@ class ClusterSim:
                 cache = cache_dir().parent / "stepcost"
             t = self._tables[alloc] = StepCostTable(cm, cache_dir=cache)
         return t
+
+    def latency_of(self, spec, phase: str, length: int) -> float:
+        """TTFT (prefill: ``max_batch`` prompts of ``length`` tokens in one step) or TPOT
+        (decode: ``max_batch`` sequences at KV ``length``) of a group's allocation on the chip
+        model: the policy's latency oracle."""
+        t = self.table((spec.chip, spec.topology, spec.tp, spec.pp, spec.ep))
+        b, n = float(spec.max_batch), float(length)
+        if phase == "prefill":
+            return t.step1(b * n, b * n * (n + 1) / 2, 0.0, 0.0)[0]
+        return t.step1(0.0, 0.0, b, b * n)[0]
 
     def _startup_s(self, chip: str, par: Parallelism) -> float:
         c = self.catalog.get(chip)
@@ -402,13 +416,18 @@ class ClusterSim:
         (§3.4)."""
         table = self._routing["decode"]
         total = inp + out
-        g = table.decode_group(inp, out)
+        g = table.groups[min(bisect_left(table.edges, total), len(table.edges) - 1)]
         rng, acc = self.rng, self.cfg.accuracy
-        if rng.random() >= acc:
+        u = self._draws
+        if not u:           # uniforms drawn in blocks: one per routing decision
+            u.extend(rng.random(4096).tolist())
+        if u.pop() >= acc:
             cands = self._cands
             lo = bisect_left(cands, (inp + 1,))
             if lo < len(cands):
-                g = cands[lo + int(rng.integers(len(cands) - lo))][1]
+                if not u:
+                    u.extend(rng.random(4096).tolist())
+                g = cands[lo + min(int(u.pop() * (len(cands) - lo)), len(cands) - lo - 1)][1]
         segs = []
         best = table.best_len.get(g, 0)
         if total <= MIGRATE_FACTOR * best:         # no estimate or length can pass 2x
@@ -578,6 +597,33 @@ class ClusterSim:
         d.dropped = int((np.isnan(tpot) & multi).sum())
         self.requests = (arr, inp, out)       # the order of self.ttft / self.tpot
         return rep
+
+
+def verified_db(arch: ModelArch, metric: str = "energy", slo_scale: float = 5.0,
+                chips: tuple[str, ...] | None = None, catalog: Catalog | None = None,
+                progress=None) -> BestFitDB:
+    """The simulator's default best-fit DB: built, checked on the chip model (``dse verify``:
+    the engines run on it) and cached next to the XLA-fit cache after the first call."""
+    import sys
+
+    from dse.builder import BuildOptions, build
+    from dse.xla_cost import cache_dir
+
+    from .validate import verify_db
+    catalog = catalog or default_catalog()
+    key = (f"{arch.name}-{arch.fingerprint()}-{metric}-{slo_scale:g}-"
+           f"{'_'.join(chips) if chips else 'all'}-verified.json")
+    path = cache_dir().parent / "db" / key
+    if path.exists():
+        return BestFitDB.load(path)
+    print(f"building and verifying the best-fit database for {arch.name} (cached at {path})",
+          file=sys.stderr)
+    db = build(arch, BuildOptions(metric=metric, slo_scale=slo_scale, chips=chips,
+                                  progress=progress), catalog=catalog)
+    db = verify_db(db, arch, catalog)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db.save(path)
+    return db
 
 
 def ideal_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens, output_tokens,

@@ -415,31 +415,38 @@ class DecodeEngine(_Base):
                 wait.appendleft(v)
         else:
             free = self.free - need
-            tokens_left = self.max_batched_tokens - self.n
-            while wait and self.n < self.max_batch and tokens_left > 0:
+            n, mb = self.n, self.max_batch
+            tokens_left = self.max_batched_tokens - n
+            while wait and n < mb and tokens_left > 0:
                 r = wait[0]
-                nb = -(-(r.kv + 1) // bt)
-                if nb > free:
+                if -(-(r.kv + 1) // bt) > free:
                     break
                 wait.popleft()
-                free -= nb
+                free -= -(-(r.kv + 1) // bt)
                 tokens_left -= 1
                 if r.swapped:
                     self._sw += r.kv * self._swap_s_per_token
                     r.swapped = False
                 self._run_r(r)
-        if not self.n:
+                n += 1
+        n = self.n
+        if not n:
             if wait:
                 raise RuntimeError("engine stalled: work queued but nothing schedulable")
             return None
-        n = self.n
         if victims:
             k = 1
         else:
-            k = min(self.max_phase_steps, self._fin_step() - D)
+            fin = self._fin
+            while fin[0][2].tag != fin[0][1]:        # stale entries of preempted requests
+                heapq.heappop(fin)
+            k = fin[0][0] - D
+            if k > self.max_phase_steps:
+                k = self.max_phase_steps
             if self.free < n * (k // bt + 2):     # blocks may run out within k steps
                 k = min(k, self._first_failing())
-            k = max(1, k)
+            if k < 1:
+                k = 1
         K0 = self.sum_o + n * (D + 1)
         self.cost_calls += 1
         if k > 1:
@@ -449,16 +456,18 @@ class DecodeEngine(_Base):
         else:
             a, ea = self._step(0.0, 0.0, float(n), float(K0))
             b = eb = 0.0
-        sensitive = (not wait and n < self.max_batch and n < self.max_batched_tokens)
-        ph = [now, self._sw, a, b, ea, eb, k, 0, sensitive, math.inf,
-              now + self._sw + k * a + b * k * (k - 1) * 0.5]
+        sw = self._sw
         self._sw = 0.0
-        if sensitive and pend:
-            head_s, _, head = pend[0]
-            if -(-(head.kv + 1) // bt) > self.free - need:
-                ph[9] = head_s
-            else:
-                self._cut(ph, max(1, self._count_before(ph, head_s)))
+        end = now + sw + k * a + b * k * (k - 1) * 0.5
+        ph = [now, sw, a, b, ea, eb, k, 0, False, math.inf, end]
+        if not wait and n < self.max_batch and n < self.max_batched_tokens:
+            ph[8] = True                          # an arrival could join the batch
+            if pend:
+                head_s, _, head = pend[0]
+                if -(-(head.kv + 1) // bt) > self.free - need:
+                    ph[9] = head_s
+                elif head_s < end:
+                    self._cut(ph, max(1, self._count_before(ph, head_s)))
         self._ph = ph
         return ph
 
@@ -474,33 +483,41 @@ class DecodeEngine(_Base):
         if m <= 0:
             return
         t0, sw, a, b, ea, eb = ph[0], ph[1], ph[2], ph[3], ph[4], ph[5]
-        start = t0 if done == 0 else t0 + sw + done * a + b * done * (done - 1) * 0.5
         end = t0 + sw + upto * a + b * upto * (upto - 1) * 0.5
-        e = (upto * ea + eb * upto * (upto - 1) * 0.5) - (done * ea + eb * done * (done - 1)
-                                                          * 0.5)
+        e = upto * ea + eb * upto * (upto - 1) * 0.5
         if done == 0:
+            start = t0
             e += self._static_w * sw
             self.swap_s += sw
-        self.free -= self._blocks_over(self.D, m)
-        self.D += m
+        else:
+            start = t0 + sw + done * a + b * done * (done - 1) * 0.5
+            e -= done * ea + eb * done * (done - 1) * 0.5
+        bt, D = self.bt, self.D
+        if m >= bt:
+            self.free -= self._blocks_over(D, m)
+        else:
+            cnt = self.cnt
+            for j in range(m):
+                self.free -= cnt[(-(D + j)) % bt]
+        self.D = D = D + m
         ph[7] = upto
         self.clock = end
         self.busy_s += end - start
         self.step_energy_j += e
         self.steps += m
-        D = self.D
         fin = self._fin
-        finished = False
-        while fin and fin[0][0] <= D:
-            F, tag, r = heapq.heappop(fin)
-            if r.tag != tag:
-                continue
-            self._stop_r(r)
-            r.finish_s = end
-            self._out.append(r)
-            self.n_finished += 1
-            finished = True
-        if finished or upto >= ph[6]:
+        if fin and fin[0][0] <= D:
+            out = self._out
+            while fin and fin[0][0] <= D:
+                F, tag, r = heapq.heappop(fin)
+                if r.tag != tag:
+                    continue
+                self._stop_r(r)
+                r.finish_s = end
+                out.append(r)
+                self.n_finished += 1
+            self._ph = None
+        elif upto >= ph[6]:
             self._ph = None
 
     def advance_to(self, t_s: float) -> list[FastRequest]:

@@ -307,6 +307,14 @@ class StepCostTable:
             lat = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j])) + STEP_OVERHEAD_S
             dyn = row[1] + math.exp(er[j] + f * (er[j + 1] - er[j]))
             return lat, dyn + self.static_power_w * self.num_chips * lat
+        if nd_glob == 0.0 and p > 0.0:                  # prefill-only (P/D prefill vPods)
+            s, ep = self._s, self._ep
+            p, ctx = p / ep, ctx / ep
+            lat, dyn = _interp1_scalar(s[0], s[3], s[4], p)
+            x, y = self._heads.get(1) or self._head(1)
+            u, v = _interp2_scalar(s[11], s[2], s[7], s[8], p, ctx / p)
+            lat += x + u + STEP_OVERHEAD_S
+            return lat, dyn + y + v + self.static_power_w * self.num_chips * lat
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
         ep = self._ep
         p, ctx = p / ep, ctx / ep

@@ -6,7 +6,6 @@ import orchestrator.policy
 import router.routing
 import sim.cluster as cluster
 from dse import load_model
-from orchestrator.policy import PolicyConfig
 from sim.cluster import ClusterConfig, ClusterSim, ideal_report, make_policies
 
 ARCH = load_model("llama3-8b")
