@@ -265,9 +265,12 @@ class ClusterSim:
         self._arr, self._inp, self._out = arr.tolist(), inp.tolist(), out.tolist()
         self._pb, self._tb = pre_bucket.tolist(), tot_bucket.tolist()
         self._slo_p, self._slo_d = slo_p[pre_bucket].tolist(), slo_d[tot_bucket].tolist()
-        self._dec_start: dict[int, float] = {}
+        self._dec_start = np.full(n, np.nan)       # first decode token available
+        self._dec_end = np.full(n, np.nan)
         self._segments: dict[int, list] = {}
         self._migrations = 0
+        self.migration_log: list[tuple[int, str, str, int, float]] = []  # (request, from, to,
+        #                                                           length, time) per migration
         nb = len(self.db.edges)
         dt = pcfg.sample_s
         window = int(round(pcfg.window_s / dt))
@@ -280,7 +283,6 @@ class ClusterSim:
         specs: dict[str, dict] = {"prefill": {}, "decode": {}}
         self._router_q: dict[tuple[str, str], list] = {}
         peak_q: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}
-        self._minute = {"prefill": [0, 0], "decode": [0, 0]}      # [finished, met SLO]
         self.minutes: list[dict[str, Any]] = []
         end = float(arr[-1]) + 1.0
         unrouted: list[int] = []
@@ -363,14 +365,11 @@ class ClusterSim:
     def _prefill_done(self, v: SimVPod, done: list) -> None:
         """Prefilled requests: TTFT, then (output > 1) their KV goes to a decode vPod."""
         ttft, tpot, inp_l, out_l = self.ttft, self.tpot, self._inp, self._out
-        mp = self._minute["prefill"]
         for req in done:
             r = req.req_id
             x, y = inp_l[r], out_l[r]
             v.outstanding -= x
-            ttft[r] = f = req.finish_s - self._arr[r]
-            mp[0] += 1
-            mp[1] += f <= self._slo_p[r]
+            ttft[r] = req.finish_s - self._arr[r]
             if y <= 1:
                 tpot[r] = 0.0
                 continue
@@ -385,7 +384,6 @@ class ClusterSim:
 
     def _decode_done(self, v: SimVPod, done: list) -> None:
         """Finished decode segments: the request's next segment (a migration), or its TPOT."""
-        md = self._minute["decode"]
         for req in done:
             r = req.req_id
             v.outstanding -= req.output_tokens
@@ -396,14 +394,14 @@ class ClusterSim:
                 g, m1 = segs[0]
                 kv = self._inp[r] + m0 - 1
                 self._migrations += 1
+                self.migration_log.append((r, v.group, g, kv + 1, req.finish_s))
                 self._submit("decode", g, r, req.finish_s + self._kv_transfer_s(v, kv), kv,
                              m1 - m0 + 1)
                 continue
             self._segments.pop(r, None)
             y = self._out[r]
-            self.tpot[r] = p = (req.finish_s - self._dec_start.pop(r)) / (y - 1)
-            md[0] += 1
-            md[1] += p <= self._slo_d[r]
+            self.tpot[r] = (req.finish_s - self._dec_start[r]) / (y - 1)
+            self._dec_end[r] = req.finish_s
 
     def _decode_segments(self, inp: int, out: int) -> list[tuple[str, int]]:
         """Where a request decodes: [(group, tokens generated when it leaves), ...].
@@ -518,8 +516,9 @@ class ClusterSim:
         return e
 
     def _snapshot(self, t: float) -> None:
-        """One row per minute and phase: vPods per group (ready), energy used in the minute,
-        requests finished and the share that met the SLO."""
+        """One row per minute and phase: vPods per group (ready) and the energy used in the
+        minute (engines' energy up to their clocks); requests finished in the minute and the
+        share that met the SLO are added from the finish times by :meth:`_report`."""
         for ph in ("prefill", "decode"):
             groups: dict[str, int] = {}
             energy = self._released_energy[ph]
@@ -533,13 +532,10 @@ class ClusterSim:
                                                                - v.created_s)
                 if v.engine is not None:
                     energy += v.engine.energy_j()
-            fin, met = self._minute[ph]
-            self._minute[ph] = [0, 0]
             prev = self._last_energy.get(ph, 0.0)
             self._last_energy[ph] = energy
             self.minutes.append({"t_s": t, "phase": ph, "vpods": groups,
-                                 "energy_j": energy - prev, "finished": fin,
-                                 "slo_rate": met / fin if fin else None})
+                                 "energy_j": energy - prev})
 
     def _epoch(self, now, samples, states, specs, peak_q) -> None:
         for ph, pol in self.policies.items():
@@ -593,6 +589,20 @@ class ClusterSim:
         d.tokens = int((out[multi] - 1).sum())
         d.slo_met = int(np.sum((tpot <= slo_d[tb]) & multi))
         d.migrations = self._migrations
+        met = {"prefill": (arr + ttft, ttft <= slo_p[pb]),
+               "decode": (self._dec_end, (tpot <= slo_d[tb]) & multi)}
+        bins = {}
+        for ph, (fin_s, ok) in met.items():       # minute k holds finish times in (60k, 60k+60]
+            good = np.isfinite(fin_s)
+            k = np.maximum(np.ceil(fin_s[good] / 60.0).astype(np.int64) - 1, 0)
+            size = int(k.max()) + 1 if len(k) else 0
+            bins[ph] = (np.bincount(k, minlength=size), np.bincount(k, weights=ok[good],
+                                                                    minlength=size))
+        for m in self.minutes:
+            cnt, ok = bins[m["phase"]]
+            k = int(round(m["t_s"] / 60.0)) - 1
+            m["finished"] = int(cnt[k]) if k < len(cnt) else 0
+            m["slo_rate"] = float(ok[k] / cnt[k]) if m["finished"] else None
         p.dropped = int(np.isnan(ttft).sum())
         d.dropped = int((np.isnan(tpot) & multi).sum())
         self.requests = (arr, inp, out)       # the order of self.ttft / self.tpot

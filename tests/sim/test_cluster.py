@@ -6,6 +6,7 @@ import orchestrator.policy
 import router.routing
 import sim.cluster as cluster
 from dse import load_model
+from orchestrator.policy import PolicyConfig
 from sim.cluster import ClusterConfig, ClusterSim, ideal_report, make_policies
 
 ARCH = load_model("llama3-8b")
@@ -120,3 +121,49 @@ def test_pipeline_parallel_vpod_runs_pp_virtual_engines():
     assert ttft8 == pytest.approx(ttft1, rel=1e-9)           # a request's own pass is unchanged
     # same work, same horizon (both advanced to t = 1e6 s): the 8 shares pay static power once
     assert e8 == pytest.approx(e1, rel=1e-9)
+
+
+def test_mispredicted_requests_migrate_past_twice_their_groups_length(db):
+    """accuracy 0: every request goes to a random group not shorter than its input and every
+    re-estimate is wrong, so a request moves exactly when its length passes 2x its group's
+    best-fit length (router.routing.should_migrate), to a longer group, and still finishes."""
+    rng = np.random.default_rng(4)
+    n = 200
+    tr = (np.sort(rng.uniform(0, 300, n)), rng.integers(100, 500, n),
+          rng.integers(1000, 6000, n))
+    cfg = ClusterConfig(policy=PolicyConfig(coalescing=False), accuracy=0.0, seed=1)
+    sim, rep = run(db, cfg=cfg, tr=tr)
+    assert rep["decode"].migrations == len(sim.migration_log) > 0
+    table = sim._routing["decode"]
+    for r, src, dst, length, _ in sim.migration_log:
+        assert length > 2 * table.best_len[src] and length - 1 in table.edges
+        # ... at the first bucket boundary past 2x (the one before it was not past)
+        prev = max(e for e in table.edges if e < length - 1)
+        assert prev + 1 <= 2 * table.best_len[src] or prev + 1 <= inp_of(sim, r)
+        assert table.best_len[dst] > table.best_len[src]
+    assert not np.isnan(sim.tpot).any() and (sim.tpot > 0).all()
+    assert rep["decode"].tokens == int((tr[2] - 1).sum())
+    # with the right prediction nothing has to move
+    _, right = run(db, cfg=ClusterConfig(policy=PolicyConfig(coalescing=False), accuracy=1.0),
+                   tr=tr)
+    assert right["decode"].migrations == 0
+
+
+def inp_of(sim, r):
+    return int(sim.requests[1][r])
+
+
+def test_per_minute_snapshots_count_what_finished_in_each_minute(db):
+    sim, rep = run(db)
+    arr, inp, out = sim.requests
+    pre = [m for m in sim.minutes if m["phase"] == "prefill"]
+    assert [m["t_s"] for m in pre] == [60.0 * (k + 1) for k in range(len(pre))]
+    done_at = arr + sim.ttft
+    for m in pre:
+        assert m["finished"] == int(((done_at > m["t_s"] - 60) & (done_at <= m["t_s"])).sum())
+        assert m["slo_rate"] is None or 0.0 <= m["slo_rate"] <= 1.0
+        assert m["energy_j"] >= 0.0
+    assert any(m["vpods"] for m in pre)
+    # the minutes' energy adds up to the run's, less what the drain after the last minute used
+    total = sum(m["energy_j"] for m in pre)
+    assert 0.5 * rep["prefill"].energy_j < total <= rep["prefill"].energy_j * (1 + 1e-9)
