@@ -318,6 +318,29 @@ def _quota(text: str | None) -> dict[str, int]:
     return out
 
 
+CHIP_MIXES = {"expert": {"prefill": ("v6e",), "decode": ("v5p",)}}
+
+
+def _chip_mix(text: str | None) -> dict[str, tuple[str, ...] | None]:
+    """``--chips``: ``v5p,v6e`` (both phases), ``prefill=v6e,decode=v5p`` (per phase) or a
+    named mix (``expert``: prefill on v6e, decode on v5p, §5.4)."""
+    if not text:
+        return {"prefill": None, "decode": None}
+    if text in CHIP_MIXES:
+        return dict(CHIP_MIXES[text])
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not any("=" in p for p in parts):
+        return {"prefill": tuple(parts), "decode": tuple(parts)}
+    out: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for p in parts:
+        ph, sep, chip = p.partition("=")
+        if not sep or ph not in out or not chip:
+            raise NeuScaleError(f"--chips {text!r}: expected CHIP[,CHIP], PHASE=CHIP[,...] "
+                                f"with PHASE prefill or decode, or one of {list(CHIP_MIXES)}")
+        out[ph].append(chip)
+    return {ph: tuple(cs) if cs else None for ph, cs in out.items()}
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -337,12 +360,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     quotas = _quota(args.quota)
     for c in quotas:
         cat.get(c)
-    chips = tuple(c for c in args.chips.split(",") if c.strip()) if args.chips else None
+    phase_chips = _chip_mix(args.chips)
+    for cs in phase_chips.values():
+        for c in cs or ():
+            cat.get(c)
     if args.db:
         db = BestFitDB.load(args.db)
     else:
         from sim.cluster import verified_db
-        db = verified_db(arch, args.metric, args.slo_scale, chips, cat,
+        db = verified_db(arch, args.metric, args.slo_scale, None, cat,
                          progress=None if not args.json else False)
     tr = load_trace(args.trace, hours=args.hours, start=args.start, rate_scale=args.rate_scale,
                     seed=args.seed)
@@ -355,11 +381,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     arr, inp, out_t = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
                        np.asarray(tr.output_tokens))
     timelines: dict[str, list] = {}
+    minutes: dict[str, list] = {}
+    per_request: dict[str, dict] = {}
     for name in names:
         if name == "ideal":
-            rep = ideal_report(arch, db, arr, inp, out_t, cat)
+            extra: dict = {}
+            rep = ideal_report(arch, db, arr, inp, out_t, cat, per_request=extra)
+            per_request[name] = extra
         else:
-            sim = ClusterSim(arch, db, make_policies(name, db, pcfg, inp, out_t), cfg, cat)
+            sim = ClusterSim(arch, db, make_policies(name, db, pcfg, inp, out_t, phase_chips),
+                             cfg, cat)
             bar = None
             if sys.stderr.isatty() and not args.json:
                 from tqdm import tqdm
@@ -375,9 +406,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
             timelines[name] = sim.timeline
+            minutes[name] = sim.minutes
+            a, i_, o_ = sim.requests
+            per_request[name] = {"input": i_, "output": o_, "ttft_s": sim.ttft,
+                                 "tpot_s": sim.tpot, **{f"{ph}_energy_j": e for ph, e in
+                                                        sim.request_energy_j.items()}}
             if args.out:
-                _write_timeline(Path(args.out) / f"timeline_{name.replace(':', '-')}.csv",
-                                sim.timeline)
+                stem = name.replace(':', '-')
+                _write_timeline(Path(args.out) / f"timeline_{stem}.csv", sim.timeline)
+                _write_minutes(Path(args.out) / f"minutes_{stem}.csv", sim.minutes)
         out["policies"][name] = {ph: r.to_json() for ph, r in rep.items()}
     if "base" in out["policies"]:
         b = out["policies"]["base"]
@@ -388,7 +425,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.out:
         from sim.report import plot_report
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        out["plots"] = [str(p) for p in plot_report(out, timelines, args.out)]
+        out["plots"] = [str(p) for p in plot_report(out, timelines, args.out, minutes=minutes,
+                                                    per_request=per_request, db=db)]
         (Path(args.out) / "summary.json").write_text(json.dumps(out, indent=2,
                                                                 default=_json_default))
     if args.json:
@@ -408,6 +446,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"  {n:12} {ph:7} {r['tokens_per_j']:10.3g} {r['tokens_per_usd']:12.4g} "
                   f"{r['slo_rate']:9.1%} {rs:>20}")
     return 0
+
+
+def _write_minutes(path: Path, rows: list[dict]) -> None:
+    """Per minute and phase: a ``*`` row (ready vPods, energy used, requests finished, SLO
+    rate) and one row per group (its ready vPods)."""
+    import csv
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["t_s", "phase", "group", "vpods", "energy_j", "finished", "slo_rate"])
+        for r in rows:
+            slo = "" if r.get("slo_rate") is None else f"{r['slo_rate']:.4f}"
+            w.writerow([f"{r['t_s']:.0f}", r["phase"], "*", sum(r["vpods"].values()),
+                        f"{r['energy_j']:.1f}", r.get("finished", 0), slo])
+            for g, n in sorted(r["vpods"].items()):
+                w.writerow([f"{r['t_s']:.0f}", r["phase"], g, n, "", "", ""])
 
 
 def _write_timeline(path: Path, timeline: list[dict]) -> None:
@@ -669,7 +723,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--start", metavar="HH:MM")
     sm.add_argument("--rate-scale", type=_positive_float("--rate-scale"), default=1.0)
     sm.add_argument("--metric", choices=["energy", "cost"], default="energy")
-    sm.add_argument("--chips", help="chip versions the cluster has (default: all)")
+    sm.add_argument("--chips", help="chip versions the cluster has: v5p,v6e (both phases), "
+                    "prefill=v6e,decode=v5p (per phase) or 'expert' (that mix, §5.4); "
+                    "default all. The SLOs stay those of the full database")
     sm.add_argument("--quota", help="chips per version, e.g. v5p=256,v6e=512")
     sm.add_argument("--failover-chips", help="chip versions fail-over may use (default: all)")
     sm.add_argument("--accuracy", type=_fraction("--accuracy"), default=0.6,

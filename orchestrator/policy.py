@@ -70,6 +70,10 @@ class PolicyConfig:
     emergency_max_factor: float = 4.0
     failover: bool = True
     failover_chips: tuple[str, ...] | None = None   # None: every chip version in the DB
+    # the chip versions this autoscaler may use at all (§5.4's chip mixes: "C-only", or the
+    # "expert choice" of v6e for prefill and v5p for decode); None: every chip in the DB.
+    # Best fits are then the best among these chips (SLO-compliant first, then efficiency).
+    chips: tuple[str, ...] | None = None
     eviction: bool = True
 
     def __post_init__(self) -> None:
@@ -191,10 +195,21 @@ class Policy:
         self._slo = list(slo) if slo else [math.inf] * len(db.edges)
         self.latency_fn = latency_fn
         self._lat_memo: dict[tuple[str, int], float] = {}
-        self.failover_chips = [c for c in db.chips if allowed is None or c in allowed]
+        if config.chips is not None:
+            unknown = [c for c in config.chips if c not in db.chips]
+            if unknown or not config.chips:
+                raise NeuScaleError(f"chips {list(config.chips)}: the best-fit database has "
+                                    f"{list(db.chips)}")
+        self.chips = list(config.chips) if config.chips is not None else None
+        self.failover_chips = [c for c in db.chips if (allowed is None or c in allowed)
+                               and (self.chips is None or c in self.chips)]
 
     # ---- best fit per bucket ------------------------------------------------------------------
     def _entry(self, i: int, chip: str | None = None) -> Entry | None:
+        if chip is None and self.chips is not None:     # the best of the allowed chips
+            cands = [e for c in self.chips
+                     if (e := self.db.entry_at(self.phase, i, c)) is not None and e.feasible]
+            return max(cands, key=lambda e: (e.meets_slo, e.efficiency), default=None)
         e = self.db.entry_at(self.phase, i, chip)
         return e if e is not None and e.feasible else None
 

@@ -267,6 +267,8 @@ class ClusterSim:
         self._slo_p, self._slo_d = slo_p[pre_bucket].tolist(), slo_d[tot_bucket].tolist()
         self._dec_start = np.full(n, np.nan)       # first decode token available
         self._dec_end = np.full(n, np.nan)
+        # each request's share of the energy of the engine steps it was in (Fig. 19c)
+        self.request_energy_j = {"prefill": np.zeros(n), "decode": np.zeros(n)}
         self._segments: dict[int, list] = {}
         self._migrations = 0
         self.migration_log: list[tuple[int, str, str, int, float]] = []  # (request, from, to,
@@ -365,11 +367,13 @@ class ClusterSim:
     def _prefill_done(self, v: SimVPod, done: list) -> None:
         """Prefilled requests: TTFT, then (output > 1) their KV goes to a decode vPod."""
         ttft, tpot, inp_l, out_l = self.ttft, self.tpot, self._inp, self._out
+        self._e_pre = self.request_energy_j["prefill"]
         for req in done:
             r = req.req_id
             x, y = inp_l[r], out_l[r]
             v.outstanding -= x
             ttft[r] = req.finish_s - self._arr[r]
+            self._e_pre[r] = req.energy_j
             if y <= 1:
                 tpot[r] = 0.0
                 continue
@@ -384,9 +388,11 @@ class ClusterSim:
 
     def _decode_done(self, v: SimVPod, done: list) -> None:
         """Finished decode segments: the request's next segment (a migration), or its TPOT."""
+        e_dec = self.request_energy_j["decode"]
         for req in done:
             r = req.req_id
             v.outstanding -= req.output_tokens
+            e_dec[r] += req.energy_j
             segs = self._segments.get(r)
             if segs is not None and len(segs) > 1:
                 m0 = segs[0][1]                   # tokens generated when it leaves
@@ -637,9 +643,11 @@ def verified_db(arch: ModelArch, metric: str = "energy", slo_scale: float = 5.0,
 
 
 def ideal_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens, output_tokens,
-                 catalog: Catalog | None = None) -> dict[str, PhaseReport]:
+                 catalog: Catalog | None = None, per_request: dict | None = None
+                 ) -> dict[str, PhaseReport]:
     """The oracle of §5.1: every request on its best-fit vPod in a full batch of its own length,
-    priced on the chip model (energy and dollars per token at the best fit's max batch)."""
+    priced on the chip model (energy and dollars per token at the best fit's max batch).
+    ``per_request`` (a dict) receives each request's energy and the best fit's latency."""
     catalog = catalog or default_catalog()
     inp = np.asarray(input_tokens, np.int64)
     out = np.asarray(output_tokens, np.int64)
@@ -657,19 +665,27 @@ def ideal_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens, output
                            Parallelism(e.tp, e.pp, e.ep))
             r = cm.step(phase, e.max_batch, db.edges[i])
             cache[key] = (r.energy_j / r.tokens,
-                          r.cycle_s * e.num_chips * c.price_usd_per_chip_hour / 3600 / r.tokens)
+                          r.cycle_s * e.num_chips * c.price_usd_per_chip_hour / 3600 / r.tokens,
+                          e.latency_s)
         return cache[key]
 
     rep = {"prefill": PhaseReport(), "decode": PhaseReport()}
     p, d = rep["prefill"], rep["decode"]
-    for x, y in zip(inp, out):
-        ej, usd = per_token("prefill", int(x))
+    n = len(inp)
+    e_p, e_d, l_p, l_d = (np.zeros(n) for _ in range(4))
+    for k, (x, y) in enumerate(zip(inp.tolist(), out.tolist())):
+        ej, usd, lat = per_token("prefill", x)
         p.energy_j += ej * x
         p.cost_usd += usd * x
+        e_p[k], l_p[k] = ej * x, lat
         if y > 1:
-            ej, usd = per_token("decode", int(x + y))
+            ej, usd, lat = per_token("decode", x + y)
             d.energy_j += ej * (y - 1)
             d.cost_usd += usd * (y - 1)
+            e_d[k], l_d[k] = ej * (y - 1), lat
+    if per_request is not None:
+        per_request.update({"input": inp, "output": out, "ttft_s": l_p, "tpot_s": l_d,
+                            "prefill_energy_j": e_p, "decode_energy_j": e_d})
     p.requests, p.tokens, p.slo_met = len(inp), int(inp.sum()), len(inp)
     multi = out > 1
     d.requests, d.tokens = int(multi.sum()), int((out[multi] - 1).sum())
@@ -677,11 +693,22 @@ def ideal_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens, output
     return rep
 
 
-def make_policies(name: str, db: BestFitDB, config: PolicyConfig, input_tokens, output_tokens
+def make_policies(name: str, db: BestFitDB, config: PolicyConfig, input_tokens, output_tokens,
+                  phase_chips: Mapping[str, tuple[str, ...] | None] | None = None
                   ) -> dict[str, Policy]:
     """``neuscale`` (the §3.4 policy), ``base`` (one group sized for the longest request) or
-    ``multipool:K`` (K fixed percentile pools, §5.5)."""
+    ``multipool:K`` (K fixed percentile pools, §5.5); ``phase_chips`` restricts each phase's
+    autoscaler to some chip versions (§5.4's chip mixes)."""
+    from dataclasses import replace
+
     from orchestrator.policy import BasePolicy, MultiPoolPolicy
+    if phase_chips:
+        cfgs = {ph: replace(config, chips=phase_chips.get(ph) or config.chips)
+                for ph in ("prefill", "decode")}
+        pols = {}
+        for ph in ("prefill", "decode"):
+            pols[ph] = make_policies(name, db, cfgs[ph], input_tokens, output_tokens)[ph]
+        return pols
     if name.startswith("multipool:"):
         try:
             k = int(name.split(":", 1)[1])

@@ -44,7 +44,7 @@ class FastRequest:
 
     __slots__ = ("req_id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s",
                  "finish_s", "preemptions", "kv", "gen", "o", "g", "tag", "swapped", "left",
-                 "done_tokens")
+                 "done_tokens", "energy_j", "e0")
 
     def __init__(self, req_id, arrival_s: float, prompt: int, output: int):
         self.req_id = req_id
@@ -62,6 +62,8 @@ class FastRequest:
         self.swapped = False
         self.left = 0          # prefill: prompt tokens still to process
         self.done_tokens = 0   # prefill: prompt tokens processed
+        self.energy_j = 0.0    # its share of the energy of the steps it was in
+        self.e0 = 0.0          # decode: per-sequence energy integral when it was admitted
 
     @property
     def finished(self) -> bool:
@@ -214,10 +216,12 @@ class PrefillEngine(_Base):
             self.busy_s += lat
             self.step_energy_j += en
             done = False
+            per_tok = en / ptok
             for r in stepped:
                 c = r.o
                 r.left -= c
                 r.done_tokens += c
+                r.energy_j += per_tok * c
                 if r.left == 0:
                     r.first_token_s = r.finish_s = end
                     self.free += -(-r.prompt_tokens // bt)
@@ -240,6 +244,7 @@ class DecodeEngine(_Base):
         self.max_phase_steps = max(1, int(max_phase_steps))
         self._swap_s_per_token = cost.kv_bytes_per_token / cost.host_bw_bytes_per_s
         self.D = 0                          # decode steps done
+        self._e_seq = 0.0                   # sum over steps of step energy / batch size
         self.n = 0                          # running sequences
         self.sum_o = 0
         self.cnt = [0] * block_tokens       # running sequences per residue of o
@@ -352,6 +357,7 @@ class DecodeEngine(_Base):
         r.o, r.g = r.kv - D, r.gen - D
         self._tag += 1
         r.tag = self._tag
+        r.e0 = self._e_seq
         self._running[self._tag] = r
         heapq.heappush(self._fin, (r.output_tokens - r.g, self._tag, r))
         self.cnt[r.o % self.bt] += 1
@@ -363,6 +369,7 @@ class DecodeEngine(_Base):
         """Take ``r`` out of the running batch; returns its KV length."""
         del self._running[r.tag]
         r.tag = 0
+        r.energy_j += self._e_seq - r.e0
         self.cnt[r.o % self.bt] -= 1
         self.sum_o -= r.o
         self.n -= 1
@@ -504,6 +511,7 @@ class DecodeEngine(_Base):
         self.clock = end
         self.busy_s += end - start
         self.step_energy_j += e
+        self._e_seq += e / self.n
         self.steps += m
         fin = self._fin
         if fin and fin[0][0] <= D:

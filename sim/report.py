@@ -1,5 +1,6 @@
-"""Plots of a simulation report (paper Figs. 18, 21-22 style): efficiency and SLO attainment per
-policy and phase, and vPods per group over time."""
+"""Plots of a simulation report: efficiency and SLO attainment per policy and phase (Fig. 18),
+energy and SLO rate per minute (Fig. 19 a, b, d, e), vPods per group per minute (Fig. 20) and
+per-request energy and latency against sequence length (Fig. 19 c, f)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 
 def plot_report(report: dict[str, Any], timelines: dict[str, list[dict[str, Any]]],
-                out_dir: str | Path) -> list[Path]:
+                out_dir: str | Path, minutes: dict[str, list[dict[str, Any]]] | None = None,
+                per_request: dict[str, dict[str, Any]] | None = None, db=None) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -38,6 +40,14 @@ def plot_report(report: dict[str, Any], timelines: dict[str, list[dict[str, Any]
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
+    if minutes:
+        paths.append(_plot_minutes(plt, minutes, out / "minutes.png"))
+        for name, rows in minutes.items():
+            paths.append(_plot_groups(plt, name, rows,
+                                      out / f"vpods_{name.replace(':', '-')}.png"))
+    if per_request and db is not None:
+        paths.append(_plot_vs_length(plt, per_request, db, report.get("model", ""),
+                                     out / "vs_length.png"))
     for name, tl in timelines.items():
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for ax, ph in zip(axes, ("prefill", "decode")):
@@ -52,8 +62,95 @@ def plot_report(report: dict[str, Any], timelines: dict[str, list[dict[str, Any]
             if len(groups) <= 8:
                 ax.legend(fontsize=7)
         fig.tight_layout()
-        p = out / f"vpods_{name.replace(':', '-')}.png"
+        p = out / f"targets_{name.replace(':', '-')}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         paths.append(p)
     return paths
+
+
+def _plot_minutes(plt, minutes, path: Path) -> Path:
+    """Energy per minute and SLO rate per minute, per policy (Fig. 19 a, b, d, e)."""
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex=True)
+    for name, rows in minutes.items():
+        for col, ph in enumerate(("prefill", "decode")):
+            r = [x for x in rows if x["phase"] == ph]
+            t = [x["t_s"] / 3600 for x in r]
+            axes[0, col].plot(t, [x["energy_j"] / 1e6 for x in r], lw=0.8, label=name)
+            axes[1, col].plot(t, [100 * x["slo_rate"] if x.get("slo_rate") is not None
+                                  else float("nan") for x in r], lw=0.8, label=name)
+    for col, ph in enumerate(("prefill", "decode")):
+        axes[0, col].set_title(f"{ph}: energy per minute")
+        axes[0, col].set_ylabel("MJ")
+        axes[1, col].set_title(f"{ph}: SLO satisfaction per minute")
+        axes[1, col].set_ylabel("% of finished requests")
+        axes[1, col].set_ylim(0, 105)
+        axes[1, col].set_xlabel("time (h)")
+        axes[0, col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_groups(plt, name: str, rows, path: Path) -> Path:
+    """Ready vPods per group per minute (Fig. 20)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, ph in zip(axes, ("prefill", "decode")):
+        r = [x for x in rows if x["phase"] == ph]
+        groups = sorted({g for x in r for g in x["vpods"]})
+        t = [x["t_s"] / 3600 for x in r]
+        for g in groups:
+            ax.step(t, [x["vpods"].get(g, 0) for x in r], where="post", lw=0.8, label=g)
+        ax.set_title(f"{name} {ph}: ready vPods per group")
+        ax.set_xlabel("time (h)")
+        ax.set_ylabel("vPods")
+        if len(groups) <= 8:
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_vs_length(plt, per_request, db, model: str, path: Path) -> Path:
+    """Mean energy per token and median latency / SLO per sequence bucket (Fig. 19 c, f):
+    prefill against the input length, decode against input + output."""
+    import numpy as np
+    edges = np.asarray(db.edges)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for name, d in per_request.items():
+        inp = np.asarray(d["input"], dtype=np.int64)
+        out = np.asarray(d["output"], dtype=np.int64)
+        for col, ph in enumerate(("prefill", "decode")):
+            length = inp if ph == "prefill" else inp + out
+            tokens = inp if ph == "prefill" else out - 1
+            lat = np.asarray(d["ttft_s" if ph == "prefill" else "tpot_s"], dtype=np.float64)
+            energy = np.asarray(d[f"{ph}_energy_j"], dtype=np.float64)
+            slo = np.asarray(db.meta["slo_s"][ph])
+            b = np.searchsorted(edges, np.clip(length, 1, edges[-1]))
+            ok = tokens > 0
+            xs, ys, zs = [], [], []
+            for k in np.unique(b[ok]):
+                m = ok & (b == k)
+                xs.append(edges[k])
+                ys.append(energy[m].sum() / tokens[m].sum())
+                zs.append(np.nanmedian(lat[m]) / slo[k])
+            axes[0, col].plot(xs, ys, marker=".", lw=0.8, label=name)
+            axes[1, col].plot(xs, zs, marker=".", lw=0.8, label=name)
+    for col, ph in enumerate(("prefill", "decode")):
+        what = "input" if ph == "prefill" else "input + output"
+        axes[0, col].set_title(f"{ph}: energy per token (steps it was in)")
+        axes[0, col].set_ylabel("J / token")
+        axes[1, col].set_title(f"{ph}: median {'TTFT' if ph == 'prefill' else 'TPOT'} / SLO")
+        axes[1, col].axhline(1.0, color="grey", lw=0.6, ls="--")
+        for ax in axes[:, col]:
+            ax.set_xscale("log")
+            ax.set_xlabel(f"{what} length (bucket, tokens)")
+            ax.legend(fontsize=7)
+        axes[0, col].set_yscale("log")
+    fig.suptitle(f"{model}: per-request energy and latency vs sequence length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -17,7 +17,7 @@ def run(*args, cache=None):
 
 
 def test_json_report_shape_ratios_and_outputs(tmp_path):
-    p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--hours", "0.05",
+    p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--hours", "0.1",
             "--chips", "v5e,v5p,v6e", "--out", str(tmp_path), "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
@@ -33,8 +33,17 @@ def test_json_report_shape_ratios_and_outputs(tmp_path):
     assert r["ratios_vs_base"]["ideal"]["decode"]["tokens_per_j"] > 1.0
     assert (tmp_path / "summary.json").exists()
     assert (tmp_path / "timeline_neuscale.csv").read_text().startswith("t_s,phase,group")
+    minutes = (tmp_path / "minutes_neuscale.csv").read_text().splitlines()
+    assert minutes[0] == "t_s,phase,group,vpods,energy_j,finished,slo_rate"
+    totals = [row.split(",") for row in minutes[1:] if row.split(",")[2] == "*"]
+    assert totals[0][:2] == ["60", "prefill"] and int(totals[0][3]) >= 1
+    # every prefill finishes within the run: the minutes' counts add up to the requests
+    # (the last, partial minute aside)
+    done = sum(int(t[5]) for t in totals if t[1] == "prefill")
+    assert 0.8 * r["trace"]["requests"] <= done <= r["trace"]["requests"]
     pngs = {Path(f).name for f in r["plots"]}
-    assert {"efficiency_slo.png", "vpods_neuscale.png", "vpods_base.png"} <= pngs
+    assert {"efficiency_slo.png", "vpods_neuscale.png", "vpods_base.png", "minutes.png",
+            "vs_length.png", "targets_neuscale.png"} <= pngs
     assert all((tmp_path / f).read_bytes()[:4] == b"\x89PNG" for f in pngs)
 
 
@@ -47,3 +56,5 @@ def test_user_errors():
     assert p.returncode == 2 and "CHIP=CHIPS" in p.stderr
     p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--accuracy", "1.5")
     assert p.returncode == 2 and "between 0 and 1" in p.stderr
+    p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--chips", "gpu=v6e")
+    assert p.returncode == 2 and "PHASE=CHIP" in p.stderr

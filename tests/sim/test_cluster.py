@@ -167,3 +167,19 @@ def test_per_minute_snapshots_count_what_finished_in_each_minute(db):
     # the minutes' energy adds up to the run's, less what the drain after the last minute used
     total = sum(m["energy_j"] for m in pre)
     assert 0.5 * rep["prefill"].energy_j < total <= rep["prefill"].energy_j * (1 + 1e-9)
+
+
+def test_chip_mixes_restrict_each_phase_to_its_chips(db):
+    arr, inp, out = trace()
+    cfg = ClusterConfig()
+    mix = {"prefill": ("v5e",), "decode": ("v4",)}
+    sim = ClusterSim(ARCH, db, make_policies("neuscale", db, cfg.policy, inp, out, mix), cfg)
+    rep = sim.run(arr, inp, out)
+    chips = {(v.phase, v.chip) for v in sim.vpods.values()}
+    assert chips == {("prefill", "v5e"), ("decode", "v4")}
+    assert not np.isnan(sim.tpot).any()
+    # the SLOs are those of the full database: the older chips meet fewer of them
+    _, het = run(db)
+    assert rep["prefill"].slo_met <= het["prefill"].slo_met
+    with pytest.raises(Exception, match="best-fit database has"):
+        make_policies("neuscale", db, cfg.policy, inp, out, {"prefill": ("tpu9",)})

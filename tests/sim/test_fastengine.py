@@ -136,3 +136,22 @@ def test_refuses_requests_larger_than_the_kv_cache():
     p = PrefillEngine(affine(1024))
     with pytest.raises(ValueError, match="more than the vPod"):
         p.submit(0, 0.0, 2000)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_step_energy_is_shared_out_to_the_requests(mode, table):
+    reqs = workload(2, 300, 0.01, prompt=(50, 3000), output=(1, 300))
+    cls = DecodeEngine if mode == "decode" else PrefillEngine
+    full = table.kv_capacity_tokens
+    table.kv_capacity_tokens = 60000           # some swapping in decode
+    try:
+        e = cls(table, max_batch=64)
+        hs = [e.submit(*r) for r in reqs]
+        e.run_until_idle()
+    finally:
+        table.kv_capacity_tokens = full
+    assert all(h.energy_j > 0 for h in hs if mode == "prefill" or h.output_tokens > 1)
+    assert sum(h.energy_j for h in hs) == pytest.approx(e.step_energy_j, rel=1e-9)
+    # longer prompts (prefill) / more output tokens (decode) take a larger share
+    size = [h.prompt_tokens if mode == "prefill" else h.output_tokens for h in hs]
+    assert np.corrcoef(size, [h.energy_j for h in hs])[0, 1] > 0.8
