@@ -31,6 +31,7 @@ from .catalog import Catalog, ChipSpec, default_catalog
 from .costmodel import (BOUNDS, HBM_USABLE_FRACTION, METRICS, PHASES, REASONS, CostModel, OnChip, Parallelism,
                         Roofline, collectives, enumerate_parallelisms, infeasible_message,
                         latency_efficiency, on_chip, roofline)
+from .costmodel import MODEL_VERSION
 from .db import DB_FORMAT, DB_FORMAT_VERSION, BestFitDB, Entry
 from .errors import NeuScaleError
 from .models import ModelArch, load_model
@@ -251,6 +252,7 @@ def build(model: str | ModelArch, opts: BuildOptions = BuildOptions(),
     fits = list(dse.fits.fits.values())
     meta = {
         "format": DB_FORMAT, "format_version": DB_FORMAT_VERSION, "tool_version": __version__,
+        "cost_model_version": MODEL_VERSION,
         "model": arch.name, "model_hash": arch.fingerprint(), "model_arch": arch.to_json(),
         "metric": opts.metric, "slo_scale": opts.slo_scale,
         "efficiency_unit": "tokens/J" if opts.metric == "energy" else "tokens/USD",

@@ -48,6 +48,8 @@ FLASH_Q_BLOCK = 512
 # 8192 by default for the OpenAI server). Bounds activation memory; weights are re-read per chunk.
 PREFILL_CHUNK_TOKENS = 8192
 B2 = BYTES_PER_PARAM  # bf16 activations and KV cache
+# Version of the cost model's physics: databases built by an older one are rebuilt (cache keys).
+MODEL_VERSION = 2       # 2: prefill KV of every batch in flight in the pipeline
 
 REASONS = ("weights", "kv_cache", "activations")
 BOUNDS = ("compute", "memory", "ici")
@@ -302,7 +304,13 @@ class CostModel:
         m = np.minimum(Bf, par.pp)
         b_mb = np.ceil(Bf / m)
         b_loc = np.ceil(b_mb / par.ep)
-        seqs_chip = np.ceil(Bf / par.ep)  # KV of every sequence in this DP group stays resident
+        # KV of every sequence in flight stays resident. Decode: the B sequences of the batch.
+        # Prefill: a batch enters every m slowest-stage slots (the cycle of _schedule) and
+        # spends pp + m - 1 slots in the pipeline, so (pp + m - 1) / m batches are in flight,
+        # each stage holding its layers' KV for all of them until hand-off (B = 1 on PP = 16:
+        # 16 prompts; vLLM's PP virtual engines get 1/pp of the KV blocks each).
+        inflight = Bf * (par.pp + m - 1) / m if phase == "prefill" else Bf
+        seqs_chip = np.ceil(inflight / par.ep)
         prefill = phase == "prefill"
         q_tok = Sf if prefill else 1.0
         t_attn = b_loc * q_tok                          # tokens through this chip's attention

@@ -588,11 +588,12 @@ class ClusterSim:
             r.failovers += int(v.failover)
         p, d = rep["prefill"], rep["decode"]
         p.requests = len(arr)
-        p.tokens = int(inp.sum())
+        served = np.isfinite(ttft)          # dropped requests produce no tokens
+        p.tokens = int(inp[served].sum())
         p.slo_met = int(np.sum(ttft <= slo_p[pb]))
         multi = out > 1
         d.requests = int(multi.sum())
-        d.tokens = int((out[multi] - 1).sum())
+        d.tokens = int((out[multi & np.isfinite(tpot)] - 1).sum())
         d.slo_met = int(np.sum((tpot <= slo_d[tb]) & multi))
         d.migrations = self._migrations
         met = {"prefill": (arr + ttft, ttft <= slo_p[pb]),
@@ -623,11 +624,12 @@ def verified_db(arch: ModelArch, metric: str = "energy", slo_scale: float = 5.0,
     import sys
 
     from dse.builder import BuildOptions, build
+    from dse.costmodel import MODEL_VERSION
     from dse.xla_cost import cache_dir
 
     from .validate import verify_db
     catalog = catalog or default_catalog()
-    key = (f"{arch.name}-{arch.fingerprint()}-{metric}-{slo_scale:g}-"
+    key = (f"{arch.name}-{arch.fingerprint()}-m{MODEL_VERSION}-{metric}-{slo_scale:g}-"
            f"{'_'.join(chips) if chips else 'all'}-verified.json")
     path = cache_dir().parent / "db" / key
     if path.exists():

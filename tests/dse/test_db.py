@@ -21,7 +21,12 @@ def test_shape_and_round_trip(llama8b_db):
         for s in (1, 300, 5000, 100_000, 1 << 20):
             assert db2.lookup(phase, s) == db.lookup(phase, s)
             for chip in db.chips:
-                assert db2.lookup(phase, s, chip) == db.lookup(phase, s, chip)
+                e = db.entry_at(phase, db.bucket_index(s), chip)
+                if e is not None and e.feasible:
+                    assert db2.lookup(phase, s, chip) == db.lookup(phase, s, chip)
+                else:       # e.g. v5e cannot hold 1M-token prompts in flight in a pipeline
+                    with pytest.raises(NeuScaleError, match="no .* vPod fits"):
+                        db2.lookup(phase, s, chip)
 
 
 def test_entries_are_consistent(llama8b_db):
