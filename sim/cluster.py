@@ -50,6 +50,7 @@ DELETE_S = 15.0                 # Table 3: delete a vPod instance
 ENGINE_START_S = 31.0           # Table 3: NPU runtime and serving engine start-up
 LOAD_BW_BYTES_PER_S = 24e9      # Table 3: load weights to the chips, per chip (PCIe 4.0 x16)
 DCN_LATENCY_S = 1e-3            # per KV transfer between vPods (order of Fig. 13's small sizes)
+STATS_QUERY_S = (2.0, 5.0)      # Table 3: query vPod runtime statistics (a plan acts this late)
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class SimVPod:
     released_s: float | None = None
     drain_from_s: float | None = None
     dcn_bytes_per_s: float = 1.0       # the vPod's DCN bandwidth (all its chips)
+    delete_at_s: float | None = None   # the plan that deletes it takes effect then
 
 
 @dataclass
@@ -235,11 +237,12 @@ class ClusterSim:
         self.vpods[vid] = v
         self._active.append(v)
 
-    def _release(self, v: SimVPod, now: float) -> None:
-        if v.state in ("draining", "released"):
+    def _release(self, v: SimVPod, at_s: float) -> None:
+        """Stop routing to ``v`` from ``at_s`` on (the slice that holds it); it drains and is
+        deleted 15 s after its last request."""
+        if v.state in ("draining", "released") or v.delete_at_s is not None:
             return
-        v.state = "draining"
-        v.drain_from_s = now
+        v.delete_at_s = at_s
 
     # ---- run ----------------------------------------------------------------------------------
     def run(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray,
@@ -302,12 +305,14 @@ class ClusterSim:
                 s = np.bincount(b[first], weights=tok[first], minlength=nb) / pcfg.epoch_s
                 ring[ph][:epoch_every] = s
             filled[0] = epoch_every
-            self._epoch(0.0, {ph: samples(ph) for ph in ring}, states, specs, peak_q)
+            self._epoch(0.0, {ph: samples(ph) for ph in ring}, states, specs, peak_q,
+                        warm=True)
             for v in self.vpods.values():
                 v.created_s -= v.ready_s     # already running at t = 0
                 v.ready_s = 0.0
         t, i, k = 0.0, 0, 0
-        while t < end or any(v.engine is not None and not v.engine.idle for v in self._active):
+        while t < end or any(v.engine is not None and not v.engine.idle for v in self._active) \
+                or self._waiting_for_vpods():
             t_next = t + dt
             self._lifecycle(t_next)
             # arrivals of the slice -> prefill
@@ -364,6 +369,13 @@ class ClusterSim:
         return self._report(t, arr, inp, out, ttft, tpot, pre_bucket, tot_bucket, slo_p, slo_d)
 
     # ---- pieces -------------------------------------------------------------------------------
+    def _waiting_for_vpods(self) -> bool:
+        """Requests queued at the router for a group whose vPods are still starting (after
+        the trace ends, the run waits for them; requests for a group that gets no vPod at all,
+        e.g. no quota and no fail-over chip, are never served and count as dropped)."""
+        starting = {(v.phase, v.group) for v in self._active if v.state == "starting"}
+        return any(lst and key in starting for key, lst in self._router_q.items())
+
     def _prefill_done(self, v: SimVPod, done: list) -> None:
         """Prefilled requests: TTFT, then (output > 1) their KV goes to a decode vPod."""
         ttft, tpot, inp_l, out_l = self.ttft, self.tpot, self._inp, self._out
@@ -494,6 +506,10 @@ class ClusterSim:
 
     def _lifecycle(self, t_next: float) -> None:
         for v in self._active:
+            if v.delete_at_s is not None and v.delete_at_s < t_next and \
+                    v.state in ("starting", "ready"):
+                v.state = "draining"
+                v.drain_from_s = v.delete_at_s
             if v.state == "starting" and v.ready_s < t_next:
                 v.state = "ready"
                 table = self.table(v.alloc)
@@ -543,11 +559,15 @@ class ClusterSim:
             self.minutes.append({"t_s": t, "phase": ph, "vpods": groups,
                                  "energy_j": energy - prev})
 
-    def _epoch(self, now, samples, states, specs, peak_q) -> None:
+    def _epoch(self, now, samples, states, specs, peak_q, warm: bool = False) -> None:
+        # the statistics are read at ``now``; the controller gets them 2-5 s later (Table 3)
+        # and its actions start then (the plan itself takes milliseconds)
+        act = now if warm else now + float(self.rng.uniform(*STATS_QUERY_S))
         for ph, pol in self.policies.items():
             inv = [VPod(v.id, v.group, v.chip, v.topology, v.num_chips, v.state, v.failover,
                         v.throughput_tok_per_s, v.max_batch)
-                   for v in self._active if v.phase == ph and v.state in ("starting", "ready")]
+                   for v in self._active if v.phase == ph and v.state in ("starting", "ready")
+                   and v.delete_at_s is None]
             used: dict[str, int] = {}
             for v in self._active:
                 used[v.chip] = used.get(v.chip, 0) + v.num_chips
@@ -563,14 +583,14 @@ class ClusterSim:
                                      for g in set(plan.routing.groups))
             for a in plan.actions:
                 if a.kind == "create":
-                    self._create(ph, a, now, plan.groups[a.group])
+                    self._create(ph, a, act, plan.groups[a.group])
                 elif a.kind == "delete" and a.vpod_id in self.vpods:
-                    self._release(self.vpods[a.vpod_id], now)
+                    self._release(self.vpods[a.vpod_id], act)
                 elif a.kind == "replace" and a.vpod_id in self.vpods:
                     spec = plan.groups[a.group]
                     self._create(ph, Action("create", a.group, a.reason, spec.chip,
-                                            spec.topology, 1), now, spec)
-                    self._release(self.vpods[a.vpod_id], now)
+                                            spec.topology, 1), act, spec)
+                    self._release(self.vpods[a.vpod_id], act)
             self.timeline.append({"t_s": now, "phase": ph, "target": dict(plan.target),
                                   "actions": len(plan.actions)})
         self._index_ready()

@@ -183,3 +183,24 @@ def test_chip_mixes_restrict_each_phase_to_its_chips(db):
     assert rep["prefill"].slo_met <= het["prefill"].slo_met
     with pytest.raises(Exception, match="best-fit database has"):
         make_policies("neuscale", db, cfg.policy, inp, out, {"prefill": ("tpu9",)})
+
+
+def test_plans_act_after_the_statistics_query_and_unservable_requests_are_dropped(db):
+    arr, inp, out = trace(seed=2, span=900.0)
+    sim, rep = run(db, cfg=ClusterConfig(warm_start=False), tr=(arr, inp, out))
+    # every vPod was ordered at an epoch boundary (or the cold-start plan after the first
+    # 10-s slice) and created 2-5 s later (Table 3: query vPod runtime statistics)
+    for v in sim.vpods.values():
+        lag = min((v.created_s - t) for t in (10.0, *np.arange(300.0, 1300.0, 300.0))
+                  if v.created_s >= t)
+        assert 2.0 <= lag <= 5.0, (v.id, v.created_s)
+    # decode's best chip has no quota and fail-over may use no other chip: decode requests
+    # are never served, the run still ends, and they count as dropped SLO misses
+    e = db.entry_at("decode", db.bucket_index(int((inp + out).max())))
+    cfg = ClusterConfig(policy=PolicyConfig(failover_chips=(e.chip,), coalescing=False),
+                        quotas={e.chip: 0})
+    sim, rep = run(db, cfg=cfg, tr=(arr, inp, out))
+    d = rep["decode"]
+    assert d.dropped > 0 and d.slo_met + d.dropped <= d.requests
+    assert not any(v.phase == "decode" and v.chip == e.chip for v in sim.vpods.values())
+    assert d.tokens == int((out[np.isfinite(sim.tpot)] - 1).sum())
