@@ -286,26 +286,36 @@ class Policy:
                         break
                     mine = [i for i in b2g if b2g[i] == g]
                     longest = max(mine)
-                    target = next((b2g[i] for i in sorted(b2g) if i > longest and b2g[i] != g),
-                                  None)
+                    # the next longer group (the paper's rule); keeping the SLO, the nearest
+                    # longer one whose allocation meets the merged buckets' SLO
+                    longer = []
+                    for i in sorted(b2g):
+                        if i > longest and b2g[i] != g and b2g[i] not in longer:
+                            longer.append(b2g[i])
+                    if not cfg.coalesce_keep_slo:
+                        longer = longer[:1]
+                    r_g = group_series(g).max()
+                    target, spare = None, 0.0
+                    for cand in longer:
+                        if cfg.coalesce_keep_slo and not all(
+                                self._latency(specs[cand], i) <= self._slo[i] for i in mine):
+                            continue
+                        r_t = group_series(cand).max()
+                        t_t = specs[cand].throughput_tok_per_s
+                        spare = max(1, math.ceil(r_t / t_t)) * t_t - r_t
+                        if spare >= r_g:
+                            target = cand
+                            break
                     if target is None:
                         continue
-                    if cfg.coalesce_keep_slo and not all(
-                            self._latency(specs[target], i) <= self._slo[i] for i in mine):
-                        continue
-                    r_t = group_series(target).max()
-                    t_t = specs[target].throughput_tok_per_s
-                    n_t = max(1, math.ceil(r_t / t_t))
-                    r_g = group_series(g).max()
-                    if n_t * t_t - r_t >= r_g:
-                        for i in b2g:
-                            if b2g[i] == g:
-                                b2g[i] = target
-                        actions.append(Action("merge_group", g, f"N_L={nl[g]:.2f} < "
-                                              f"{cfg.coalesce_below}: merged into {target}, "
-                                              f"which has {n_t * t_t - r_t:,.0f} tok/s spare"))
-                        merged = True
-                        break
+                    for i in b2g:
+                        if b2g[i] == g:
+                            b2g[i] = target
+                    actions.append(Action("merge_group", g, f"N_L={nl[g]:.2f} < "
+                                          f"{cfg.coalesce_below}: merged into {target}, "
+                                          f"which has {spare:,.0f} tok/s spare"))
+                    merged = True
+                    break
 
         avail = {c: (None if n is None else int(n)) for c, n in obs.available_chips.items()}
         inv: dict[str, list[VPod]] = {}

@@ -108,6 +108,12 @@ class VPodEngines:
         return sum(e.energy_j() for e in self.engines)
 
 
+def engine_batch(max_batch: int, pp: int) -> int:
+    """Sequences per virtual engine of a PP vPod: the DSE splits a batch of B into
+    m = min(B, pp) micro-batches (``dse.costmodel``), one per virtual engine."""
+    return -(-max_batch // min(max_batch, pp))
+
+
 def _load(v: "SimVPod") -> float:
     """Least-loaded choice within a group: outstanding tokens over the vPod's throughput."""
     return v.outstanding / v.throughput_tok_per_s
@@ -197,11 +203,11 @@ class ClusterSim:
         return t
 
     def latency_of(self, spec, phase: str, length: int) -> float:
-        """TTFT (prefill: ``max_batch`` prompts of ``length`` tokens in one step) or TPOT
-        (decode: ``max_batch`` sequences at KV ``length``) of a group's allocation on the chip
+        """TTFT (prefill: a virtual engine's full batch of ``length``-token prompts in one step)
+        or TPOT (decode: its full batch at KV ``length``) of a group's allocation on the chip
         model: the policy's latency oracle."""
         t = self.table((spec.chip, spec.topology, spec.tp, spec.pp, spec.ep))
-        b, n = float(spec.max_batch), float(length)
+        b, n = float(engine_batch(spec.max_batch, spec.pp)), float(length)
         if phase == "prefill":
             return t.step1(b * n, b * n * (n + 1) / 2, 0.0, 0.0)[0]
         return t.step1(0.0, 0.0, b, b * n)[0]
@@ -517,7 +523,7 @@ class ClusterSim:
                 cost = table if pp == 1 else PipelineShare(table, pp)
                 cls = PrefillEngine if v.phase == "prefill" else DecodeEngine
                 v.engine = VPodEngines([
-                    cls(cost, max_batch=v.max_batch,
+                    cls(cost, max_batch=engine_batch(v.max_batch, pp),
                         max_batched_tokens=max(self.cfg.max_batched_tokens, v.max_batch),
                         start_s=v.ready_s) for _ in range(pp)])
             if v.state == "draining" and (v.engine is None or v.engine.idle):

@@ -221,3 +221,24 @@ def test_coalescing_keeps_the_slo_of_the_merged_buckets(db):
     # the paper's rule alone (room, N_L) merges it
     p = Policy(sdb, ph, PolicyConfig(coalesce_keep_slo=False)).plan(obs)
     assert p.routing.group_for_length(db.edges[i]) == g_big
+
+
+def test_coalescing_skips_a_longer_group_too_slow_for_the_slo(db):
+    ph = "decode"
+    idx = [i for i in range(47) if spec(db, ph, i)[1] != spec(db, ph, i + 1)[1]]
+    i, j, k = idx[0], idx[0] + 1, idx[1] + 1             # three buckets, three groups
+    (e_s, g_s), (e_m, g_m), (e_l, g_l) = spec(db, ph, i), spec(db, ph, j), spec(db, ph, k)
+    assert len({g_s, g_m, g_l}) == 3
+    slo_s = db.meta["slo_s"][ph][i]
+    slow = [dataclasses.replace(x, latency_s=1.01 * slo_s) if x.phase == ph and
+            x.seq_len == db.edges[j] else
+            dataclasses.replace(x, latency_s=0.5 * slo_s) if x.phase == ph and
+            x.seq_len == db.edges[k] else x for x in db.entries]
+    sdb = BestFitDB(dict(db.meta), slow, db.pareto, db.explain)
+    obs = Observation(0.0, {i: flat(0.1 * e_s.throughput_tok_per_s),
+                            j: flat(2.5 * e_m.throughput_tok_per_s),
+                            k: flat(2.5 * e_l.throughput_tok_per_s)})
+    p = Policy(sdb, ph).plan(obs)
+    assert p.routing.group_for_length(db.edges[i]) == g_l     # past the too-slow middle one
+    p = Policy(sdb, ph, PolicyConfig(coalesce_keep_slo=False)).plan(obs)
+    assert p.routing.group_for_length(db.edges[i]) == g_m     # the paper's next-longer rule
