@@ -54,6 +54,27 @@ def main() -> None:
         print(f"coalescing={coalescing!s:5}: {groups} groups (both phases), median plan "
               f"{med * 1e3:.2f} ms per phase, baseline max-over-samples {base * 1e3:.3f} ms "
               f"(ratio {med / base:.0f}x)")
+    # 100 groups in one plan: every decode bucket its own group (coalescing off) plus groups
+    # that only own vPods (e.g. left from an earlier length mix), which the plan evicts
+    pol = Policy(db, "decode", PolicyConfig(coalescing=False))
+    first = pol.plan(Observation(0.0, rates))
+    inv = [VPod(f"{g}#0", g, s.chip, s.topology, s.num_chips,
+                throughput_tok_per_s=s.throughput_tok_per_s, max_batch=s.max_batch)
+           for g, s in first.groups.items()]
+    spec = next(iter(first.groups.values()))
+    extra = 100 - len(first.groups)
+    inv += [VPod(f"old{k}#0", f"old{k}", spec.chip, spec.topology, spec.num_chips,
+                 throughput_tok_per_s=spec.throughput_tok_per_s, max_batch=spec.max_batch)
+            for k in range(extra)]
+    obs = Observation(300.0, rates, inv, {}, {})
+    times = []
+    for _ in range(20):
+        t = time.perf_counter()
+        plan = pol.plan(obs, first.state)
+        times.append(time.perf_counter() - t)
+    n = len(first.groups) + extra
+    print(f"{n} groups in one plan ({len(first.groups)} with traffic, {extra} evicted): median "
+          f"{statistics.median(times) * 1e3:.2f} ms ({len(plan.actions)} actions)")
 
 
 if __name__ == "__main__":
