@@ -150,24 +150,11 @@ class AffineStepCost:
         return latency_s, energy_j
 
 
-@dataclass(eq=False)
-class Request:
-    """One request and its progress on the engine (times in engine virtual seconds)."""
+class RequestTimes:
+    """Times derived from a request's arrival, first token and finish (shared by
+    :class:`Request` and the event-driven engines' :class:`sim.fastengine.FastRequest`)."""
 
-    req_id: Hashable
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    kv_ready_tokens: int = 0
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    preemptions: int = 0
-    prefill_done: bool = False      # finished by hand-off after its first token (prefill mode)
-    generated_tokens: int = 0       # output tokens emitted so far (decode mode: counts the first)
-    kv_tokens: int = 0              # KV tokens it owns (on chip, or on host while swapped)
-    prefill_left: int = 0           # prompt tokens still to prefill
-    blocks: int = field(default=0, repr=False)       # KV blocks held on chip
-    swapped: bool = field(default=False, repr=False)  # KV lives on host memory
+    __slots__ = ()
 
     @property
     def finished(self) -> bool:
@@ -191,6 +178,26 @@ class Request:
     def latency_s(self) -> float | None:
         """End-to-end time on this engine: finish - arrival."""
         return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+
+@dataclass(eq=False)
+class Request(RequestTimes):
+    """One request and its progress on the engine (times in engine virtual seconds)."""
+
+    req_id: Hashable
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    kv_ready_tokens: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    preemptions: int = 0
+    prefill_done: bool = False      # finished by hand-off after its first token (prefill mode)
+    generated_tokens: int = 0       # output tokens emitted so far (decode mode: counts the first)
+    kv_tokens: int = 0              # KV tokens it owns (on chip, or on host while swapped)
+    prefill_left: int = 0           # prompt tokens still to prefill
+    blocks: int = field(default=0, repr=False)       # KV blocks held on chip
+    swapped: bool = field(default=False, repr=False)  # KV lives on host memory
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,15 @@ import math
 from collections import deque
 from collections.abc import Hashable
 
+from .engine import RequestTimes
 
-class FastRequest:
+
+class FastRequest(RequestTimes):
     """One request's progress (times in engine virtual seconds)."""
 
     __slots__ = ("req_id", "arrival_s", "prompt_tokens", "output_tokens", "first_token_s",
                  "finish_s", "preemptions", "kv", "gen", "o", "g", "tag", "swapped", "left",
-                 "done_tokens", "energy_j", "e0")
+                 "done_tokens", "energy_j", "e0", "prefill_done")
 
     def __init__(self, req_id, arrival_s: float, prompt: int, output: int):
         self.req_id = req_id
@@ -64,20 +66,7 @@ class FastRequest:
         self.done_tokens = 0   # prefill: prompt tokens processed
         self.energy_j = 0.0    # its share of the energy of the steps it was in
         self.e0 = 0.0          # decode: per-sequence energy integral when it was admitted
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_s is not None
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.finish_s is None or self.first_token_s is None or self.output_tokens <= 1:
-            return None
-        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+        self.prefill_done = False  # prefill: handed off after its first token
 
 
 class _Base:
@@ -224,6 +213,7 @@ class PrefillEngine(_Base):
                 r.energy_j += per_tok * c
                 if r.left == 0:
                     r.first_token_s = r.finish_s = end
+                    r.prefill_done = True
                     self.free += -(-r.prompt_tokens // bt)
                     self._out.append(r)
                     self.n_finished += 1
