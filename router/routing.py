@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Hashable, Mapping
+from typing import Callable, Hashable, Mapping
 
 from dse.buckets import SEQ_BUCKETS
 from dse.errors import NeuScaleError
@@ -105,3 +105,27 @@ def should_migrate(table: RoutingTable, group: Hashable, current_length: int,
             target = table.longer_group(group)
         return target
     return None
+
+
+def make_before_break(new: RoutingTable, old: RoutingTable | None,
+                      ready: Callable[[Hashable], bool]) -> RoutingTable:
+    """The table to route by while a plan is actuated: a bucket whose new group has no ready
+    vPod yet stays with its old group when that one has one and was sized for the bucket's
+    length (its best-fit length is not shorter), so no request waits for vPods to start while
+    running ones can serve it. Once every bucket's new group is ready this is ``new``."""
+    if old is None or old.edges != new.edges:
+        return new
+    groups = []
+    changed = False
+    for edge, g_new, g_old in zip(new.edges, new.groups, old.groups):
+        if g_new != g_old and not ready(g_new) and ready(g_old) and \
+                old.best_len.get(g_old, 0) >= edge:
+            groups.append(g_old)
+            changed = True
+        else:
+            groups.append(g_new)
+    if not changed:
+        return new
+    best = {g: old.best_len[g] for g in set(groups) if g in old.best_len}
+    best.update({g: n for g, n in new.best_len.items()})
+    return RoutingTable(new.edges, tuple(groups), best)

@@ -39,7 +39,7 @@ from dse.errors import NeuScaleError
 from dse.models import ModelArch
 from dse.vpod import ICITopology
 from orchestrator.policy import Action, Observation, Policy, PolicyConfig, PolicyState, VPod
-from router.routing import MIGRATE_FACTOR, RoutingTable, should_migrate
+from router.routing import MIGRATE_FACTOR, RoutingTable, make_before_break, should_migrate
 
 from .chip import ChipModel
 from .fastengine import DecodeEngine, PrefillEngine
@@ -290,6 +290,8 @@ class ClusterSim:
         self._cur_d = [0.0] * nb
         states = {ph: PolicyState() for ph in ("prefill", "decode")}
         self._routing: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
+        self._planned: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
+        self._held: dict[str, float] = {}     # vPods of evicted groups still routed to
         self._cands: list = []
         specs: dict[str, dict] = {"prefill": {}, "decode": {}}
         self._router_q: dict[tuple[str, str], list] = {}
@@ -532,6 +534,7 @@ class ClusterSim:
                                    v.engine.now_s if v.engine else 0.0) + DELETE_S
                 self._released_energy[v.phase] += self._vpod_energy(v, v.released_s)
         self._index_ready()
+        self._route_tables(t_next)
 
     def _vpod_energy(self, v: SimVPod, stop_s: float) -> float:
         """Energy of a vPod from creation to ``stop_s``: static power while it starts up, its
@@ -583,15 +586,17 @@ class ClusterSim:
             plan = pol.plan(Observation(now, rates, inv, peak_q[ph], avail), states[ph])
             states[ph] = plan.state
             specs[ph].update(plan.groups)
-            self._routing[ph] = plan.routing
-            if ph == "decode":     # mis-predicted requests pick among these (by length)
-                self._cands = sorted((plan.routing.best_len.get(g, 0), g)
-                                     for g in set(plan.routing.groups))
+            self._planned[ph] = plan.routing
+            planned_groups = set(plan.routing.groups)
             for a in plan.actions:
                 if a.kind == "create":
                     self._create(ph, a, act, plan.groups[a.group])
                 elif a.kind == "delete" and a.vpod_id in self.vpods:
-                    self._release(self.vpods[a.vpod_id], act)
+                    v = self.vpods[a.vpod_id]
+                    if v.group not in planned_groups:     # an evicted group: make before break
+                        self._held.setdefault(v.id, act)
+                    else:
+                        self._release(v, act)
                 elif a.kind == "replace" and a.vpod_id in self.vpods:
                     spec = plan.groups[a.group]
                     self._create(ph, Action("create", a.group, a.reason, spec.chip,
@@ -600,6 +605,29 @@ class ClusterSim:
             self.timeline.append({"t_s": now, "phase": ph, "target": dict(plan.target),
                                   "actions": len(plan.actions)})
         self._index_ready()
+        self._route_tables(now)
+
+    def _route_tables(self, now: float) -> None:
+        """The tables the router uses: each phase's planned table, with buckets whose new
+        group has no ready vPod yet left on their old group (router.routing.make_before_break);
+        vPods of evicted groups are released once no bucket routes to them."""
+        for ph, planned in self._planned.items():
+            if planned is None:
+                continue
+            old = self._routing[ph]
+            eff = make_before_break(planned, old, lambda g, ph=ph: bool(self._ready_by.get(
+                (ph, g))))
+            if eff is not old:
+                self._routing[ph] = eff
+                if ph == "decode":     # mis-predicted requests pick among these (by length)
+                    self._cands = sorted((eff.best_len.get(g, 0), g) for g in set(eff.groups))
+        if self._held:
+            used = {(ph, g) for ph, t in self._routing.items() if t is not None
+                    for g in set(t.groups)}
+            for vid in list(self._held):
+                v = self.vpods[vid]
+                if (v.phase, v.group) not in used or v.state not in ("starting", "ready"):
+                    self._release(v, max(self._held.pop(vid), now))
 
     def _report(self, t_end, arr, inp, out, ttft, tpot, pb, tb, slo_p, slo_d):
         rep = {"prefill": PhaseReport(), "decode": PhaseReport()}

@@ -40,3 +40,24 @@ def test_migrate_past_twice_the_best_fit_length():
     assert should_migrate(t, "A", 1500, 5000) == "B"             # the new estimate decides
     assert should_migrate(t, "B", 9000, 9000) == "C"
     assert should_migrate(t, "C", 10 ** 6, 10 ** 6) is None      # nothing longer
+
+
+def test_make_before_break_keeps_buckets_on_running_groups_until_the_new_one_is_ready():
+    from router.routing import make_before_break
+    edges = (128, 256, 512, 1024)
+    old = RoutingTable.build({0: "a", 1: "a", 2: "b", 3: "b"}, edges)   # a <= 256, b <= 1024
+    new = RoutingTable.build({0: "c", 1: "b", 2: "b", 3: "d"}, edges)   # c, d new; a merged
+    up = {"a", "b"}
+    eff = make_before_break(new, old, up.__contains__)
+    # bucket 0: c is starting, a is running and was sized for it -> stays on a
+    # bucket 1: b is running -> switches now; bucket 3: d starting, b running and sized -> b
+    assert eff.groups == ("a", "b", "b", "b")
+    assert eff.best_len["a"] == 256 and eff.best_len["c"] == 128
+    up |= {"c", "d"}
+    assert make_before_break(new, eff, up.__contains__) is new      # all ready: the plan
+    assert make_before_break(new, None, up.__contains__) is new
+    # an old group sized for shorter sequences does not take a longer bucket
+    short = RoutingTable.build({0: "a"}, edges)                        # a serves all, best 128
+    grown = RoutingTable.build({0: "a", 3: "d"}, edges)
+    eff = make_before_break(grown, short, {"a"}.__contains__)
+    assert eff.groups[3] == "d"
