@@ -293,7 +293,6 @@ class ClusterSim:
         self._planned: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
         self._held: dict[str, float] = {}     # vPods of evicted groups still routed to
         self._cands: list = []
-        specs: dict[str, dict] = {"prefill": {}, "decode": {}}
         self._router_q: dict[tuple[str, str], list] = {}
         peak_q: dict[str, dict[str, int]] = {"prefill": {}, "decode": {}}
         self.minutes: list[dict[str, Any]] = []
@@ -313,7 +312,7 @@ class ClusterSim:
                 s = np.bincount(b[first], weights=tok[first], minlength=nb) / pcfg.epoch_s
                 ring[ph][:epoch_every] = s
             filled[0] = epoch_every
-            self._epoch(0.0, {ph: samples(ph) for ph in ring}, states, specs, peak_q,
+            self._epoch(0.0, {ph: samples(ph) for ph in ring}, states, peak_q,
                         warm=True)
             for v in self.vpods.values():
                 v.created_s -= v.ready_s     # already running at t = 0
@@ -363,7 +362,7 @@ class ClusterSim:
             # a controller that starts cold plans as soon as it has seen traffic
             if (k % epoch_every == 0 and t < end) or (unrouted and
                                                       self._routing["prefill"] is None):
-                self._epoch(t, {ph: samples(ph) for ph in ring}, states, specs, peak_q)
+                self._epoch(t, {ph: samples(ph) for ph in ring}, states, peak_q)
                 peak_q = {"prefill": {}, "decode": {}}
                 table = self._routing["prefill"]
                 for r in unrouted:
@@ -568,7 +567,7 @@ class ClusterSim:
             self.minutes.append({"t_s": t, "phase": ph, "vpods": groups,
                                  "energy_j": energy - prev})
 
-    def _epoch(self, now, samples, states, specs, peak_q, warm: bool = False) -> None:
+    def _epoch(self, now, samples, states, peak_q, warm: bool = False) -> None:
         # the statistics are read at ``now``; the controller gets them 2-5 s later (Table 3)
         # and its actions start then (the plan itself takes milliseconds)
         act = now if warm else now + float(self.rng.uniform(*STATS_QUERY_S))
@@ -585,7 +584,6 @@ class ClusterSim:
                      if samples[ph][:, b].any()}
             plan = pol.plan(Observation(now, rates, inv, peak_q[ph], avail), states[ph])
             states[ph] = plan.state
-            specs[ph].update(plan.groups)
             self._planned[ph] = plan.routing
             planned_groups = set(plan.routing.groups)
             for a in plan.actions:

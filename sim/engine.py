@@ -150,6 +150,34 @@ class AffineStepCost:
         return latency_s, energy_j
 
 
+def check_engine_config(cost: StepCost, max_batch: int, max_batched_tokens: int,
+                        block_tokens: int) -> None:
+    """The engine arguments every engine implementation needs (ValueError naming the bad
+    one)."""
+    if max_batch < 1 or block_tokens < 1:
+        raise ValueError("max_batch and block_tokens must be >= 1")
+    if max_batched_tokens < max_batch:
+        raise ValueError("max_batched_tokens must be >= max_batch")
+    if cost.kv_capacity_tokens < block_tokens:
+        raise ValueError("kv_capacity_tokens holds no KV block")
+    if cost.host_bw_bytes_per_s <= 0:
+        raise ValueError("host_bw_bytes_per_s must be > 0")
+
+
+def check_request(req_id: Hashable, arrival_s: float, prompt_tokens: int, output_tokens: int,
+                  mode: str, total_blocks: int, block_tokens: int) -> None:
+    """A request an engine in ``mode`` can take: positive lengths, a finite arrival and a KV
+    footprint (the prompt in prefill mode, prompt + output - 1 otherwise) within the cache."""
+    if prompt_tokens < 1 or output_tokens < 1:
+        raise ValueError("need prompt_tokens >= 1 and output_tokens >= 1")
+    if not math.isfinite(arrival_s):
+        raise ValueError("arrival_s must be finite")
+    max_kv = prompt_tokens if mode == "prefill" else prompt_tokens + output_tokens - 1
+    if -(-max_kv // block_tokens) > total_blocks:
+        raise ValueError(f"request {req_id!r} needs {max_kv} KV tokens, more than the vPod's "
+                         f"{total_blocks * block_tokens}")
+
+
 class RequestTimes:
     """Times derived from a request's arrival, first token and finish (shared by
     :class:`Request` and the event-driven engines' :class:`sim.fastengine.FastRequest`)."""
@@ -273,14 +301,9 @@ class Engine:
         vectorised decode phase."""
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-        if max_batch < 1 or block_tokens < 1 or max_phase_steps < 1:
-            raise ValueError("max_batch, block_tokens and max_phase_steps must be >= 1")
-        if max_batched_tokens < max_batch:
-            raise ValueError("max_batched_tokens must be >= max_batch")
-        if cost.kv_capacity_tokens < block_tokens:
-            raise ValueError("kv_capacity_tokens holds no KV block")
-        if cost.host_bw_bytes_per_s <= 0:
-            raise ValueError("host_bw_bytes_per_s must be > 0")
+        if max_phase_steps < 1:
+            raise ValueError("max_phase_steps must be >= 1")
+        check_engine_config(cost, max_batch, max_batched_tokens, block_tokens)
         self.cost = cost
         self.mode: Mode = mode
         self.max_batch = max_batch
@@ -321,15 +344,10 @@ class Engine:
         """Queue a request arriving at ``arrival_s`` (may be in the past or the future)."""
         if req_id in self._requests:
             raise ValueError(f"duplicate request id {req_id!r}")
-        if prompt_tokens < 1 or output_tokens < 1 or kv_ready_tokens < 0:
-            raise ValueError("need prompt_tokens >= 1, output_tokens >= 1, kv_ready_tokens >= 0")
-        if not math.isfinite(arrival_s):
-            raise ValueError("arrival_s must be finite")
-        max_kv = prompt_tokens if self.mode == "prefill" else prompt_tokens + output_tokens - 1
-        if self._blocks_for(max_kv) > self.total_blocks:
-            raise ValueError(
-                f"request {req_id!r} needs {max_kv} KV tokens, more than the vPod's "
-                f"{self.total_blocks * self.block_tokens}")
+        if kv_ready_tokens < 0:
+            raise ValueError("need kv_ready_tokens >= 0")
+        check_request(req_id, arrival_s, prompt_tokens, output_tokens, self.mode,
+                      self.total_blocks, self.block_tokens)
         r = Request(req_id, float(arrival_s), int(prompt_tokens), int(output_tokens),
                     int(kv_ready_tokens))
         if self.mode == "decode":

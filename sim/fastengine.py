@@ -38,7 +38,7 @@ import math
 from collections import deque
 from collections.abc import Hashable
 
-from .engine import RequestTimes
+from .engine import RequestTimes, check_engine_config, check_request
 
 
 class FastRequest(RequestTimes):
@@ -72,12 +72,7 @@ class FastRequest(RequestTimes):
 class _Base:
     def __init__(self, cost, max_batch: int, max_batched_tokens: int, block_tokens: int,
                  start_s: float):
-        if max_batch < 1 or block_tokens < 1:
-            raise ValueError("max_batch and block_tokens must be >= 1")
-        if max_batched_tokens < max_batch:
-            raise ValueError("max_batched_tokens must be >= max_batch")
-        if cost.kv_capacity_tokens < block_tokens:
-            raise ValueError("kv_capacity_tokens holds no KV block")
+        check_engine_config(cost, max_batch, max_batched_tokens, block_tokens)
         self.cost = cost
         # Python floats in and out: the table's scalar path when it has one
         self._step = getattr(cost, "step1", None) or (
@@ -100,9 +95,6 @@ class _Base:
         self.cost_calls = 0
         self.preemptions = 0
         self.n_finished = 0
-
-    def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.bt)
 
     @property
     def now_s(self) -> float:
@@ -139,11 +131,8 @@ class PrefillEngine(_Base):
 
     def submit(self, req_id: Hashable, arrival_s: float, prompt_tokens: int,
                output_tokens: int = 1) -> FastRequest:
-        if prompt_tokens < 1 or output_tokens < 1:
-            raise ValueError("need prompt_tokens >= 1 and output_tokens >= 1")
-        if self._blocks(prompt_tokens) > self.total_blocks:
-            raise ValueError(f"request {req_id!r} needs {prompt_tokens} KV tokens, more than "
-                             f"the vPod's {self.total_blocks * self.bt}")
+        check_request(req_id, arrival_s, prompt_tokens, output_tokens, "prefill",
+                      self.total_blocks, self.bt)
         r = FastRequest(req_id, float(arrival_s), int(prompt_tokens), int(output_tokens))
         r.left = r.prompt_tokens
         heapq.heappush(self._pending, (r.arrival_s, self._seq, r))
@@ -264,11 +253,8 @@ class DecodeEngine(_Base):
     def submit(self, req_id: Hashable, arrival_s: float, prompt_tokens: int,
                output_tokens: int) -> FastRequest:
         """A request whose prompt KV and first token arrive at ``arrival_s``."""
-        if prompt_tokens < 1 or output_tokens < 1:
-            raise ValueError("need prompt_tokens >= 1 and output_tokens >= 1")
-        if self._blocks(prompt_tokens + output_tokens - 1) > self.total_blocks:
-            raise ValueError(f"request {req_id!r} needs {prompt_tokens + output_tokens - 1} KV "
-                             f"tokens, more than the vPod's {self.total_blocks * self.bt}")
+        check_request(req_id, arrival_s, prompt_tokens, output_tokens, "decode",
+                      self.total_blocks, self.bt)
         r = FastRequest(req_id, float(arrival_s), int(prompt_tokens), int(output_tokens))
         r.kv, r.gen, r.first_token_s = r.prompt_tokens, 1, r.arrival_s
         heapq.heappush(self._pending, (r.arrival_s, self._seq, r))
@@ -467,12 +453,6 @@ class DecodeEngine(_Base):
                     self._cut(ph, max(1, self._count_before(ph, head_s)))
         self._ph = ph
         return ph
-
-    def _fin_step(self) -> int:
-        fin = self._fin
-        while fin and fin[0][2].tag != fin[0][1]:
-            heapq.heappop(fin)
-        return fin[0][0]
 
     def _consume(self, ph, upto: int) -> None:
         done = ph[7]

@@ -43,29 +43,14 @@ def plot_report(report: dict[str, Any], timelines: dict[str, list[dict[str, Any]
     if minutes:
         paths.append(_plot_minutes(plt, minutes, out / "minutes.png"))
         for name, rows in minutes.items():
-            paths.append(_plot_groups(plt, name, rows,
+            paths.append(_plot_groups(plt, name, rows, "vpods", "ready vPods per group",
                                       out / f"vpods_{name.replace(':', '-')}.png"))
     if per_request and db is not None:
         paths.append(_plot_vs_length(plt, per_request, db, report.get("model", ""),
                                      out / "vs_length.png"))
     for name, tl in timelines.items():
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for ax, ph in zip(axes, ("prefill", "decode")):
-            rows = [r for r in tl if r["phase"] == ph]
-            groups = sorted({g for r in rows for g in r["target"]})
-            for g in groups:
-                ax.step([r["t_s"] / 3600 for r in rows], [r["target"].get(g, 0) for r in rows],
-                        where="post", label=g)
-            ax.set_title(f"{name} {ph}: vPods per group")
-            ax.set_xlabel("time (h)")
-            ax.set_ylabel("vPods")
-            if len(groups) <= 8:
-                ax.legend(fontsize=7)
-        fig.tight_layout()
-        p = out / f"targets_{name.replace(':', '-')}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_plot_groups(plt, name, tl, "target", "vPods per group (policy target)",
+                                  out / f"targets_{name.replace(':', '-')}.png"))
     return paths
 
 
@@ -93,19 +78,20 @@ def _plot_minutes(plt, minutes, path: Path) -> Path:
     return path
 
 
-def _plot_groups(plt, name: str, rows, path: Path) -> Path:
-    """Ready vPods per group per minute (Fig. 20)."""
+def _plot_groups(plt, name: str, rows, key: str, what: str, path: Path) -> Path:
+    """vPods per group over time, from rows holding ``t_s``, ``phase`` and a group -> count
+    dict under ``key`` (per-minute ready vPods: Fig. 20; per-epoch targets)."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, ph in zip(axes, ("prefill", "decode")):
         r = [x for x in rows if x["phase"] == ph]
-        groups = sorted({g for x in r for g in x["vpods"]})
+        groups = sorted({g for x in r for g in x[key]})
         t = [x["t_s"] / 3600 for x in r]
         for g in groups:
-            ax.step(t, [x["vpods"].get(g, 0) for x in r], where="post", lw=0.8, label=g)
-        ax.set_title(f"{name} {ph}: ready vPods per group")
+            ax.step(t, [x[key].get(g, 0) for x in r], where="post", lw=0.8, label=g)
+        ax.set_title(f"{name} {ph}: {what}")
         ax.set_xlabel("time (h)")
         ax.set_ylabel("vPods")
-        if len(groups) <= 8:
+        if groups and len(groups) <= 8:
             ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
