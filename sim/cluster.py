@@ -62,6 +62,7 @@ class ClusterConfig:
     max_batched_tokens: int = 8192
     warm_start: bool = True      # first plan at t=0 from the trace's first epoch
     cache_tables: bool = True    # keep step-cost tables on disk (next to the XLA-fit cache)
+    make_before_break: bool = True   # off: route to a new group as soon as it is planned
 
 
 class VPodEngines:
@@ -613,8 +614,8 @@ class ClusterSim:
             if planned is None:
                 continue
             old = self._routing[ph]
-            eff = make_before_break(planned, old, lambda g, ph=ph: bool(self._ready_by.get(
-                (ph, g))))
+            eff = planned if not self.cfg.make_before_break else make_before_break(
+                planned, old, lambda g, ph=ph: bool(self._ready_by.get((ph, g))))
             if eff is not old:
                 self._routing[ph] = eff
                 if ph == "decode":     # mis-predicted requests pick among these (by length)

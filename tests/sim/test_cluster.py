@@ -206,7 +206,7 @@ def test_plans_act_after_the_statistics_query_and_unservable_requests_are_droppe
     assert d.tokens == int((out[np.isfinite(sim.tpot)] - 1).sum())
 
 
-def test_group_changes_make_before_break(db, monkeypatch):
+def test_group_changes_make_before_break(db):
     """Half an hour of the real 2023 Azure conversation trace: decode groups change as the
     length mix moves. Routing a bucket to its new group before that group has a ready vPod
     parks requests at the router for the vPod's start-up (minutes): their TPOT blows up."""
@@ -214,7 +214,6 @@ def test_group_changes_make_before_break(db, monkeypatch):
     tr = load_trace("azure-conv-2023", hours=0.5)
     t = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens), np.asarray(tr.output_tokens))
     _, rep = run(db, tr=t)
-    monkeypatch.setattr(cluster, "make_before_break", lambda new, old, ready: new)
-    _, brk = run(db, tr=t)
+    _, brk = run(db, cfg=ClusterConfig(make_before_break=False), tr=t)
     ok, broken = (r["decode"].slo_met / r["decode"].requests for r in (rep, brk))
     assert ok > broken + 0.05 and ok > 0.95
