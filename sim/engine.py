@@ -48,10 +48,14 @@ the KV lengths of the decoding sequences, the token written in this step include
 
 *Fast path.* While a batch only decodes and nothing can change it (no request can be admitted,
 none finishes, no block allocation fails), consecutive steps differ only in ``decode_kv``,
-which grows by ``n_decode`` per step. The engine then plans a whole *phase* of ``k`` steps at
+which grows by ``n_decode`` per step. The engine then plans a whole *run* of ``k`` steps at
 once: ``k`` is the smallest of the earliest finish, the step at which the KV blocks run out
 (closed form below) and, when the waiting queue is empty, the first step starting at or after
-the next pending arrival. One vectorised ``cost.step`` call prices all ``k`` steps; a cumulative
+the next pending arrival (unless that arrival's blocks do not fit: it and every later arrival
+will wait for the run to end). A request submitted while a run is planned is treated the same
+way, so when a request is submitted does not matter as long as it is before the engine's clock
+passes its arrival: slices, ``next_event_time()`` driving and up-front submission give the same
+schedule, bit for bit. One vectorised ``cost.step`` call prices all ``k`` steps; a cumulative
 sum gives their end times; consuming any number of them is O(number of running requests).
 Block exhaustion: sequence ``i`` with KV ``kv_i`` holding ``b_i`` blocks needs a new block at
 steps ``s_i + m*block_tokens`` (``s_i = b_i*block_tokens - kv_i``, ``m = 0, 1, ...``); with
@@ -62,6 +66,13 @@ step per Python iteration (the reference the fast path is tested against).
 *Accounting.* Energy = the steps' energies + static power x chips over swap time and idle time.
 Chip-seconds = chips x elapsed time since ``start_s`` (the time the vPod came up, default 0;
 ``None``: the first request's arrival). Busy time includes swap time.
+
+*One protocol.* :class:`Engine` and the event-driven :class:`sim.fastengine.PrefillEngine` and
+:class:`sim.fastengine.DecodeEngine` all satisfy :class:`SimEngine`, the interface a driver
+(the cluster simulator, a wall-clock server, a router or a metrics endpoint) uses. They share
+:class:`EngineBase`: the configuration checks, the arrival heap and waiting queue, the counters
+behind :meth:`EngineBase.energy_j` and :class:`EngineStats`, and the KV-block accountant
+(:class:`sim.kvcache.KVBlocks`).
 """
 
 from __future__ import annotations
@@ -69,12 +80,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+from .kvcache import KVBlocks
 
 Mode = Literal["mixed", "prefill", "decode"]
 _MODES = ("mixed", "prefill", "decode")
@@ -164,18 +177,9 @@ def check_engine_config(cost: StepCost, max_batch: int, max_batched_tokens: int,
         raise ValueError("host_bw_bytes_per_s must be > 0")
 
 
-def check_request(req_id: Hashable, arrival_s: float, prompt_tokens: int, output_tokens: int,
-                  mode: str, total_blocks: int, block_tokens: int) -> None:
-    """A request an engine in ``mode`` can take: positive lengths, a finite arrival and a KV
-    footprint (the prompt in prefill mode, prompt + output - 1 otherwise) within the cache."""
-    if prompt_tokens < 1 or output_tokens < 1:
-        raise ValueError("need prompt_tokens >= 1 and output_tokens >= 1")
-    if not math.isfinite(arrival_s):
-        raise ValueError("arrival_s must be finite")
-    max_kv = prompt_tokens if mode == "prefill" else prompt_tokens + output_tokens - 1
-    if -(-max_kv // block_tokens) > total_blocks:
-        raise ValueError(f"request {req_id!r} needs {max_kv} KV tokens, more than the vPod's "
-                         f"{total_blocks * block_tokens}")
+def max_run_steps_arg(max_run_steps: int, max_phase_steps: int | None) -> int:
+    """``max_phase_steps`` is the old name of ``max_run_steps``; it wins when given."""
+    return max_run_steps if max_phase_steps is None else max_phase_steps
 
 
 class RequestTimes:
@@ -230,7 +234,16 @@ class Request(RequestTimes):
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's counters (see :meth:`Engine.stats`)."""
+    """A snapshot of an engine's counters (:meth:`EngineBase.stats`, every engine).
+
+    The event-driven engines (:mod:`sim.fastengine`) fill every field; what they count
+    differently: ``iterations`` is steps run (prefill side) or slices of decode runs consumed
+    (decode side); ``cost_points`` counts a decode run priced by its two end points as 2 (the
+    reference engine counts every step of a vectorised run) and equals ``cost_calls`` on the
+    prefill side. Fields a mode cannot move stay 0: ``decode_tokens`` on the prefill side,
+    ``prefill_tokens`` on the decode side, ``swap_s`` and ``preemptions`` in
+    :class:`sim.fastengine.PrefillEngine` (it allocates a prompt's blocks whole at admission and
+    never preempts)."""
 
     now_s: float
     elapsed_s: float          # since start_s
@@ -245,10 +258,212 @@ class EngineStats:
     preemptions: int
     cost_calls: int           # cost.step invocations
     cost_points: int          # step evaluations inside them (sum of vector lengths)
-    iterations: int           # Python-level scheduler iterations (phases consumed)
+    iterations: int           # Python-level scheduler iterations (step runs consumed)
     running: int
     waiting: int
     finished: int
+
+
+@runtime_checkable
+class SimEngine(Protocol):
+    """What drives, routes to or watches a simulated engine may use; :class:`Engine`,
+    :class:`sim.fastengine.PrefillEngine` and :class:`sim.fastengine.DecodeEngine` all satisfy
+    it. Time is only ever passed in: a discrete-event simulator alternates
+    ``t = next_event_time()`` and ``advance_to(t)``; a wall-clock server calls ``advance_to(now)``
+    and sleeps until ``next_event_time()`` or the next request."""
+
+    def submit(self, req_id: Hashable, arrival_s: float, prompt_tokens: int,
+               output_tokens: int) -> RequestTimes:
+        """Queue a request arriving at ``arrival_s``; returns its live record."""
+        ...
+
+    def advance_to(self, t_s: float) -> Sequence[RequestTimes]:
+        """Run every step that starts before ``t_s``; the requests finished since the last
+        call."""
+        ...
+
+    def next_event_time(self) -> float | None:
+        """When the state next changes (end of the current step or run of steps, else the next
+        arrival, else None); ``advance_to`` of it always makes progress and skips no finish."""
+        ...
+
+    def run_until_idle(self) -> Sequence[RequestTimes]:
+        ...
+
+    @property
+    def idle(self) -> bool:
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        ...
+
+    @property
+    def num_running(self) -> int:
+        ...
+
+    @property
+    def now_s(self) -> float | None:
+        ...
+
+    @property
+    def free_kv_tokens(self) -> int:
+        ...
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        ...
+
+    def energy_j(self) -> float:
+        ...
+
+    def stats(self) -> EngineStats:
+        ...
+
+
+class EngineBase(KVBlocks):
+    """What every engine shares: the configuration checks, the KV-block accountant, the arrival
+    heap and FCFS waiting queue, the counters and what is derived from them (``energy_j()``,
+    ``stats()``). A subclass keeps its running batch in ``_running`` (any sized container)
+    and implements ``submit``, ``advance_to`` and ``next_event_time``. Attributes live in
+    slots: the event-driven engines read them in their hot loops."""
+
+    __slots__ = ("cost", "max_batch", "max_batched_tokens", "_static_w", "_swap_s_per_token",
+                 "_start_s", "_clock_s", "_running", "_pending", "_waiting", "_n_submitted",
+                 "_unreported", "busy_s", "swap_s", "step_energy_j", "prefill_tokens",
+                 "decode_tokens", "steps", "preemptions", "cost_calls", "cost_points",
+                 "iterations", "n_finished")
+
+    def __init__(self, cost: StepCost, max_batch: int, max_batched_tokens: int,
+                 block_tokens: int, start_s: float | None) -> None:
+        check_engine_config(cost, max_batch, max_batched_tokens, block_tokens)
+        super().__init__(cost.kv_capacity_tokens, block_tokens)
+        self.cost = cost
+        self.max_batch = max_batch
+        self.max_batched_tokens = max_batched_tokens
+        self._static_w = float(cost.static_power_w) * cost.num_chips
+        self._swap_s_per_token = cost.kv_bytes_per_token / cost.host_bw_bytes_per_s
+        self._start_s = start_s
+        self._clock_s = start_s
+        self._running: Any = []
+        # future arrivals: a heap of (arrival_s, submission number, request)
+        self._pending: list[tuple[float, int, Any]] = []
+        self._waiting: deque[Any] = deque()
+        self._n_submitted = 0
+        self._unreported: list[Any] = []       # finished, not returned by advance_to yet
+        # counters (EngineStats)
+        self.busy_s = 0.0
+        self.swap_s = 0.0
+        self.step_energy_j = 0.0               # static power during steps and swaps included
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.steps = 0
+        self.preemptions = 0
+        self.cost_calls = 0
+        self.cost_points = 0
+        self.iterations = 0
+        self.n_finished = 0
+
+    # ---- the protocol's read-only part
+
+    @property
+    def now_s(self) -> float | None:
+        """The engine's clock (None before the first request when ``start_s=None``)."""
+        return self._clock_s
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Arrived (or arriving) requests not admitted yet, swapped-out ones included."""
+        return len(self._waiting) + len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        return not (self._running or self._waiting or self._pending)
+
+    def run_until_idle(self) -> list:
+        """Run until every submitted request has finished; returns those finished since the
+        previous call. The clock stays at the last step's end."""
+        return self.advance_to(math.inf)
+
+    def _times(self) -> tuple[float, float, float]:
+        """(now, elapsed since start_s, idle time)."""
+        now_s = self._clock_s if self._clock_s is not None else 0.0
+        start_s = self._start_s if self._start_s is not None else now_s
+        elapsed_s = max(0.0, now_s - start_s)
+        return now_s, elapsed_s, max(0.0, elapsed_s - self.busy_s)
+
+    def energy_j(self) -> float:
+        """Step energy (swaps included) plus static power over the idle time since
+        ``start_s``."""
+        return self.step_energy_j + self._static_w * self._times()[2]
+
+    def stats(self) -> EngineStats:
+        """Counters; energy and chip-seconds cover ``[start_s, now_s]``."""
+        now_s, elapsed_s, idle_s = self._times()
+        return EngineStats(
+            now_s=now_s, elapsed_s=elapsed_s, busy_s=self.busy_s, idle_s=idle_s,
+            swap_s=self.swap_s, energy_j=self.step_energy_j + self._static_w * idle_s,
+            chip_s=self.cost.num_chips * elapsed_s, prefill_tokens=self.prefill_tokens,
+            decode_tokens=self.decode_tokens, steps=self.steps, preemptions=self.preemptions,
+            cost_calls=self.cost_calls, cost_points=self.cost_points,
+            iterations=self.iterations, running=self.num_running, waiting=self.num_waiting,
+            finished=self.n_finished)
+
+    # ---- shared mechanics
+
+    def _check_request(self, req_id: Hashable, arrival_s: float, prompt_tokens: int,
+                       output_tokens: int, mode: str) -> int:
+        """A request an engine in ``mode`` can take: positive lengths, a finite arrival and a
+        KV footprint (the prompt in prefill mode, prompt + output - 1 otherwise) within the
+        cache. Returns the blocks of that footprint."""
+        if prompt_tokens < 1 or output_tokens < 1:
+            raise ValueError("need prompt_tokens >= 1 and output_tokens >= 1")
+        if not math.isfinite(arrival_s):
+            raise ValueError("arrival_s must be finite")
+        max_kv = prompt_tokens if mode == "prefill" else prompt_tokens + output_tokens - 1
+        blocks = -(-max_kv // self.bt)          # blocks_for(), inline: once per submission
+        if blocks > self.total_blocks:
+            raise ValueError(f"request {req_id!r} needs {max_kv} KV tokens, more than the "
+                             f"vPod's {self.kv_capacity_tokens}")
+        return blocks
+
+    def _move_arrivals(self, now_s: float) -> None:
+        """Arrivals up to ``now_s`` join the tail of the waiting queue; one with nothing left
+        to do finishes at its arrival: in decode mode a request comes with its first token, so
+        one that wants a single token is done."""
+        pend, wait = self._pending, self._waiting
+        while pend and pend[0][0] <= now_s:
+            r = heapq.heappop(pend)[2]
+            if r.output_tokens == 1 and r.first_token_s is not None:
+                self._finish(r, r.arrival_s)
+            else:
+                wait.append(r)
+
+    def _finish(self, r: Any, now_s: float) -> None:
+        """``r`` finished at ``now_s``: report it (its KV blocks are the caller's business)."""
+        r.finish_s = now_s
+        self._unreported.append(r)
+        self.n_finished += 1
+
+    def _event_time(self, planned_end_s: float | None) -> float | None:
+        """``next_event_time()`` once the engine has planned what starts at its clock
+        (``planned_end_s``: when that ends; None when idle): the clock itself while requests
+        that finished on arrival wait to be returned by ``advance_to``, else the planned end,
+        else the next arrival, else None."""
+        if self._unreported:
+            return self._clock_s
+        if planned_end_s is not None:
+            return planned_end_s
+        return self._pending[0][0] if self._pending else None
+
+    def _report(self) -> list:
+        """The requests finished since the previous call."""
+        out, self._unreported = self._unreported, []
+        return out
 
 
 @dataclass
@@ -270,72 +485,50 @@ class _StepPlan:
 
 
 @dataclass
-class _Phase:
+class _StepRun:
     """Planned steps starting at ``start_s``: one general step, or ``k`` pure decode steps."""
 
     start_s: float
     ends_s: np.ndarray             # absolute end time of each step
     cum_energy_j: np.ndarray       # cumulative step energy (static power during steps included)
-    k: int                         # steps in the phase (may shrink when a request is submitted)
-    plan: _StepPlan | None = None  # general step; None for a pure decode phase
+    k: int                         # steps in the run (may shrink when a request is submitted)
+    plan: _StepPlan | None = None  # general step; None for a run of pure decode steps
     seqs: list[Request] = field(default_factory=list)
     arrival_sensitive: bool = False  # an arrival before blocked_from_s could join the batch
+    room: int = 0                  # (arrival_sensitive) free blocks an arrival could take
     blocked_from_s: float = math.inf  # arrivals from here on queue behind a blocked request
     done: int = 0                  # steps already applied to the engine state
 
     def steps_starting_before(self, t_s: float) -> int:
-        """How many of the phase's k steps start strictly before ``t_s``."""
+        """How many of the run's k steps start strictly before ``t_s``."""
         if t_s <= self.start_s:
             return 0
         return min(self.k, 1 + int(np.searchsorted(self.ends_s[: self.k - 1], t_s, "left")))
 
 
-class Engine:
+class Engine(EngineBase):
     """A vLLM-like engine on one vPod, advanced explicitly in (virtual or real) time."""
 
     def __init__(self, cost: StepCost, mode: Mode = "mixed", max_batch: int = 256,
                  max_batched_tokens: int = 8192, block_tokens: int = 16, exact: bool = False,
-                 *, start_s: float | None = 0.0, max_phase_steps: int = 4096) -> None:
+                 *, start_s: float | None = 0.0, max_run_steps: int = 4096,
+                 max_phase_steps: int | None = None) -> None:
         """``start_s``: when the vPod came up (idle energy and chip-seconds count from there;
-        ``None``: from the first request's arrival). ``max_phase_steps`` caps the length of a
-        vectorised decode phase."""
+        ``None``: from the first request's arrival). ``max_run_steps`` (old name
+        ``max_phase_steps``) caps the length of a vectorised run of decode steps."""
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-        if max_phase_steps < 1:
-            raise ValueError("max_phase_steps must be >= 1")
-        check_engine_config(cost, max_batch, max_batched_tokens, block_tokens)
-        self.cost = cost
+        max_run_steps = max_run_steps_arg(max_run_steps, max_phase_steps)
+        if max_run_steps < 1:
+            raise ValueError("max_run_steps must be >= 1")
+        super().__init__(cost, max_batch, max_batched_tokens, block_tokens, start_s)
         self.mode: Mode = mode
-        self.max_batch = max_batch
-        self.max_batched_tokens = max_batched_tokens
-        self.block_tokens = block_tokens
         self.exact = exact
-        self.max_phase_steps = max_phase_steps
-        self.total_blocks = cost.kv_capacity_tokens // block_tokens
-        self._static_w = float(cost.static_power_w) * cost.num_chips
-        self._swap_s_per_token = cost.kv_bytes_per_token / cost.host_bw_bytes_per_s
-        self._start_s = start_s
-        self._clock_s: float | None = start_s
-        self._free_blocks = self.total_blocks
+        self.max_run_steps = max_run_steps
         self._running: list[Request] = []          # admission order
-        self._waiting: deque[Request] = deque()
-        self._pending: list[tuple[float, int, Request]] = []   # future arrivals (heap)
-        self._n_submitted = 0
         self._requests: dict[Hashable, Request] = {}
         self._finished: list[Request] = []
-        self._unreported: list[Request] = []
-        self._phase: _Phase | None = None
-        # counters
-        self._busy_s = 0.0
-        self._swap_s = 0.0
-        self._step_energy_j = 0.0
-        self._prefill_tokens = 0
-        self._decode_tokens = 0
-        self._steps = 0
-        self._preemptions = 0
-        self._cost_calls = 0
-        self._cost_points = 0
-        self._iterations = 0
+        self._step_run: _StepRun | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -346,8 +539,7 @@ class Engine:
             raise ValueError(f"duplicate request id {req_id!r}")
         if kv_ready_tokens < 0:
             raise ValueError("need kv_ready_tokens >= 0")
-        check_request(req_id, arrival_s, prompt_tokens, output_tokens, self.mode,
-                      self.total_blocks, self.block_tokens)
+        self._check_request(req_id, arrival_s, prompt_tokens, output_tokens, self.mode)
         r = Request(req_id, float(arrival_s), int(prompt_tokens), int(output_tokens),
                     int(kv_ready_tokens))
         if self.mode == "decode":
@@ -364,35 +556,22 @@ class Engine:
             self._start_s = r.arrival_s
         heapq.heappush(self._pending, (r.arrival_s, self._n_submitted, r))
         self._n_submitted += 1
-        self._on_submit(r.arrival_s)
+        self._on_submit(r)
         return r
 
     def advance_to(self, t_s: float) -> list[Request]:
         """Run every step that starts before ``t_s``; the clock ends at ``max(t_s, end of the
         last step run)``. Returns the requests finished since the previous call."""
         if self._clock_s is not None:
-            self._run(t_s)
-        out, self._unreported = self._unreported, []
-        return out
-
-    def run_until_idle(self) -> list[Request]:
-        """Run until every submitted request has finished; returns those finished since the
-        previous call. The clock stays at the last step's end."""
-        return self.advance_to(math.inf)
+            self._advance(t_s)
+        return self._report()
 
     def next_event_time(self) -> float | None:
-        """When the engine's state next changes: the end of the current batch phase (a step,
-        or a vectorised run of decode steps), else the next pending arrival, else None."""
-        if self._clock_s is not None:
-            ph = self._current_phase()
-            if ph is not None:
-                return float(ph.ends_s[ph.k - 1])
-        return self._pending[0][0] if self._pending else None
-
-    @property
-    def now_s(self) -> float | None:
-        """The engine's clock (None before the first request when ``start_s=None``)."""
-        return self._clock_s
+        """When the engine's state next changes: the end of the current step run (one step, or
+        a vectorised run of decode steps), else the next pending arrival, else None (see
+        :meth:`EngineBase._event_time`)."""
+        run = self._current_run() if self._clock_s is not None else None
+        return self._event_time(None if run is None else float(run.ends_s[run.k - 1]))
 
     @property
     def requests(self) -> dict[Hashable, Request]:
@@ -404,45 +583,12 @@ class Engine:
         """Finished requests in finishing order."""
         return self._finished
 
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Arrived (or arriving) requests not admitted yet, swapped-out ones included."""
-        return len(self._waiting) + len(self._pending)
-
-    @property
-    def free_kv_tokens(self) -> int:
-        return self._free_blocks * self.block_tokens
-
-    @property
-    def idle(self) -> bool:
-        return not (self._running or self._waiting or self._pending)
-
-    def stats(self) -> EngineStats:
-        """Counters; energy and chip-seconds cover ``[start_s, now_s]``."""
-        now_s = self._clock_s if self._clock_s is not None else 0.0
-        start_s = self._start_s if self._start_s is not None else now_s
-        elapsed_s = max(0.0, now_s - start_s)
-        idle_s = max(0.0, elapsed_s - self._busy_s)
-        energy_j = self._step_energy_j + self._static_w * idle_s   # swap: in the steps
-        return EngineStats(
-            now_s=now_s, elapsed_s=elapsed_s, busy_s=self._busy_s, idle_s=idle_s,
-            swap_s=self._swap_s, energy_j=energy_j, chip_s=self.cost.num_chips * elapsed_s,
-            prefill_tokens=self._prefill_tokens, decode_tokens=self._decode_tokens,
-            steps=self._steps, preemptions=self._preemptions, cost_calls=self._cost_calls,
-            cost_points=self._cost_points, iterations=self._iterations,
-            running=len(self._running), waiting=self.num_waiting,
-            finished=len(self._finished))
-
     # ------------------------------------------------------------------ main loop
 
-    def _run(self, t_s: float) -> None:
+    def _advance(self, t_s: float) -> None:
         while self._clock_s < t_s:
-            ph = self._current_phase()
-            if ph is None:                       # idle: jump to the next arrival or to t_s
+            run = self._current_run()
+            if run is None:                      # idle: jump to the next arrival or to t_s
                 nxt_s = self._pending[0][0] if self._pending else None
                 if nxt_s is not None and nxt_s < t_s:
                     self._clock_s = max(self._clock_s, nxt_s)
@@ -450,18 +596,18 @@ class Engine:
                 if math.isfinite(t_s):
                     self._clock_s = t_s
                 return
-            self._iterations += 1
-            if ph.plan is not None:
-                self._phase = None
-                self._execute(ph.plan, float(ph.ends_s[0]) - ph.start_s,
-                              float(ph.cum_energy_j[0]))
+            self.iterations += 1
+            if run.plan is not None:
+                self._step_run = None
+                self._execute(run.plan, float(run.ends_s[0]) - run.start_s,
+                              float(run.cum_energy_j[0]))
             else:
-                self._consume_decode(ph, ph.steps_starting_before(t_s))
+                self._consume_decode(run, run.steps_starting_before(t_s))
 
-    def _current_phase(self) -> _Phase | None:
-        """The cached phase, or a newly planned one starting now (None when idle)."""
-        if self._phase is not None:
-            return self._phase
+    def _current_run(self) -> _StepRun | None:
+        """The cached step run, or a newly planned one starting now (None when idle)."""
+        if self._step_run is not None:
+            return self._step_run
         plan = self._plan_step()
         if plan.empty:
             if self._running or self._waiting:
@@ -471,58 +617,55 @@ class Engine:
         pure = (not plan.victims and not plan.admits and not plan.prefill
                 and len(plan.decode) == len(self._running))
         if pure and not self.exact:
-            self._phase = self._plan_decode_phase(plan)
+            self._step_run = self._plan_decode_run(plan)
         else:
             lat, en = self.cost.step(float(plan.prefill_tokens), float(plan.prefill_ctx),
                                      float(len(plan.decode)), float(plan.decode_kv))
-            self._cost_calls += 1
-            self._cost_points += 1
+            self.cost_calls += 1
+            self.cost_points += 1
             end_s = now_s + (float(lat) + plan.swap_s)
-            self._phase = _Phase(start_s=now_s, ends_s=np.array([end_s]),
-                                 cum_energy_j=np.array([float(en)]), k=1, plan=plan)
-        return self._phase
+            self._step_run = _StepRun(start_s=now_s, ends_s=np.array([end_s]),
+                                      cum_energy_j=np.array([float(en)]), k=1, plan=plan)
+        return self._step_run
 
-    def _on_submit(self, arrival_s: float) -> None:
-        """Keep the cached phase valid: cut it before the first step that could see the new
-        arrival."""
-        ph = self._phase
-        if ph is None:
+    def _on_submit(self, r: Request) -> None:
+        """Keep the cached step run valid: cut it before the first step that could see the
+        new arrival; or, when its blocks do not fit, let it (and all after it) wait, as
+        :meth:`_plan_decode_run` does with an arrival submitted before the run was planned."""
+        run = self._step_run
+        if run is None:
             return
-        if ph.plan is not None:
-            if arrival_s <= ph.start_s:
-                self._phase = None
+        arrival_s = r.arrival_s
+        if run.plan is not None:
+            if arrival_s <= run.start_s:
+                self._step_run = None
             return
-        if not ph.arrival_sensitive or arrival_s >= ph.blocked_from_s:
+        if not run.arrival_sensitive or arrival_s >= run.blocked_from_s:
             return
-        k = max(ph.done, ph.steps_starting_before(arrival_s))
-        if k == ph.done:
-            self._phase = None
+        if self._admit_blocks(r) > run.room:
+            run.blocked_from_s = arrival_s
+            return
+        k = max(run.done, run.steps_starting_before(arrival_s))
+        if k == run.done:
+            self._step_run = None
         else:
-            ph.k = k
+            run.k = k
 
     # ------------------------------------------------------------------ scheduling
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_tokens)
-
     def _admit_blocks(self, r: Request) -> int:
+        """Blocks ``r`` needs to be admitted: its whole prompt, or (decoding) its KV plus the
+        token it writes next."""
         if r.prefill_left > 0:
-            return self._blocks_for(r.prompt_tokens)
-        return self._blocks_for(r.kv_tokens + 1)
+            return self.blocks_for(r.prompt_tokens)
+        return self.blocks_for(r.kv_tokens + 1)
 
-    def _move_arrivals(self, now_s: float) -> None:
-        while self._pending and self._pending[0][0] <= now_s:
-            r = heapq.heappop(self._pending)[2]
-            if r.prefill_left == 0 and r.generated_tokens >= r.output_tokens:
-                self._finish(r, r.arrival_s)     # decode mode, output 1: nothing left to do
-            else:
-                self._waiting.append(r)
-
-    def _plan_step(self) -> _StepPlan:
-        """Decide the step starting now (see the module docstring); mutates nothing but the
-        arrival of due requests into the waiting queue."""
-        self._move_arrivals(self._clock_s)
-        free = self._free_blocks
+    def _plan_decodes(self) -> tuple[list[Request], list[Request],
+                                     list[tuple[Request, int]], int]:
+        """Step 2 of the schedule: a token for every decoding request, oldest first, each with
+        the new block it needs; the newest admissions are preempted while a block is missing.
+        Returns (still running, victims newest first, decodes, free blocks left)."""
+        free = self.free
         alive = list(self._running)
         victims: list[Request] = []
         decode: list[tuple[Request, int]] = []
@@ -530,7 +673,7 @@ class Engine:
         while i < len(alive):
             r = alive[i]
             if r.prefill_left == 0:
-                need = max(0, self._blocks_for(r.kv_tokens + 1) - r.blocks)
+                need = max(0, self.blocks_for(r.kv_tokens + 1) - r.blocks)
                 while need > free and alive[-1] is not r:
                     v = alive.pop()
                     victims.append(v)
@@ -543,6 +686,13 @@ class Engine:
                 free -= need
                 decode.append((r, need))
             i += 1
+        return alive, victims, decode, free
+
+    def _plan_step(self) -> _StepPlan:
+        """Decide the step starting now (see the module docstring); mutates nothing but the
+        arrival of due requests into the waiting queue."""
+        self._move_arrivals(self._clock_s)
+        alive, victims, decode, free = self._plan_decodes()
         tokens_left = self.max_batched_tokens - len(decode)
         prefill: list[tuple[Request, int]] = []
         for r in alive:
@@ -581,37 +731,36 @@ class Engine:
     def _execute(self, plan: _StepPlan, latency_s: float, energy_j: float) -> None:
         """Apply one general step of ``latency_s`` (swap time included) to the state."""
         for v in plan.victims:
-            self._free_blocks += v.blocks
-            v.blocks = 0
+            self._release(v)
             v.swapped = True
             v.preemptions += 1
-            self._preemptions += 1
+            self.preemptions += 1
             self._waiting.appendleft(v)          # the oldest victim ends up first
         for r, need in plan.admits:
             head = self._waiting.popleft()
             assert head is r
             r.blocks = need
             r.swapped = False
-            self._free_blocks -= need
+            self.take(need)
         if plan.victims:
             gone = {id(v) for v in plan.victims}
             self._running = [r for r in self._running if id(r) not in gone]
         self._running.extend(r for r, _ in plan.admits)
         self._clock_s += latency_s
         now_s = self._clock_s
-        self._busy_s += latency_s
-        self._swap_s += plan.swap_s
-        self._step_energy_j += energy_j + self._static_w * plan.swap_s
-        self._steps += 1
+        self.busy_s += latency_s
+        self.swap_s += plan.swap_s
+        self.step_energy_j += energy_j + self._static_w * plan.swap_s
+        self.steps += 1
         done: list[Request] = []
-        for r, nb in plan.decode:
+        for r, nb in plan.decode:             # per sequence: take() inline
             r.blocks += nb
-            self._free_blocks -= nb
+            self.free -= nb
             r.kv_tokens += 1
             r.generated_tokens += 1
             if r.generated_tokens >= r.output_tokens:
                 done.append(r)
-        self._decode_tokens += len(plan.decode)
+        self.decode_tokens += len(plan.decode)
         for r, c in plan.prefill:
             r.kv_tokens += c
             r.prefill_left -= c
@@ -623,69 +772,71 @@ class Engine:
                     done.append(r)
                 elif r.output_tokens == 1:
                     done.append(r)
-        self._prefill_tokens += plan.prefill_tokens
+        self.prefill_tokens += plan.prefill_tokens
         self._retire(done, now_s)
 
-    def _plan_decode_phase(self, plan: _StepPlan) -> _Phase:
+    def _plan_decode_run(self, plan: _StepPlan) -> _StepRun:
         """Price, in one vectorised call, the run of pure decode steps starting now."""
         seqs = [r for r, _ in plan.decode]
         n = len(seqs)
-        bt = self.block_tokens
+        bt = self.bt
         kv = np.fromiter((r.kv_tokens for r in seqs), dtype=np.int64, count=n)
         blk = np.fromiter((r.blocks for r in seqs), dtype=np.int64, count=n)
         k_finish = min(r.output_tokens - r.generated_tokens for r in seqs)
         slack = np.sort(blk * bt - kv)           # step of each sequence's next new block
-        free = self._free_blocks
+        free = self.free
         k_blocks = int(slack[free % n]) + (free // n) * bt
-        k = max(1, min(k_finish, k_blocks, self.max_phase_steps))
+        k = max(1, min(k_finish, k_blocks, self.max_run_steps))
         decode_kv = float(kv.sum() + n) + float(n) * np.arange(k, dtype=np.float64)
         lat, en = self.cost.step(0.0, 0.0, float(n), decode_kv)
-        self._cost_calls += 1
-        self._cost_points += k
+        self.cost_calls += 1
+        self.cost_points += k
         lat = np.broadcast_to(np.asarray(lat, dtype=np.float64), (k,))
         en = np.broadcast_to(np.asarray(en, dtype=np.float64), (k,))
         now_s = self._clock_s
         # Only an arrival into an empty waiting queue can change the batch; whether the batch
-        # has a free slot, token budget or blocks for it can only get worse during the phase.
+        # has a free slot, token budget or blocks for it can only get worse during the run.
         sensitive = (not self._waiting and n < self.max_batch
                      and n < self.max_batched_tokens)
-        ph = _Phase(start_s=now_s, ends_s=now_s + np.cumsum(lat), cum_energy_j=np.cumsum(en),
-                    k=k, seqs=seqs, arrival_sensitive=sensitive)
+        run = _StepRun(start_s=now_s, ends_s=now_s + np.cumsum(lat),
+                       cum_energy_j=np.cumsum(en), k=k, seqs=seqs, arrival_sensitive=sensitive,
+                       room=free)
         if sensitive and self._pending:
             head_s, _, head = self._pending[0]
             if self._admit_blocks(head) > free:
-                ph.blocked_from_s = head_s       # it will wait, and everyone behind it too
+                run.blocked_from_s = head_s      # it will wait, and everyone behind it too
             else:
-                ph.k = max(1, ph.steps_starting_before(head_s))
-        return ph
+                run.k = max(1, run.steps_starting_before(head_s))
+        return run
 
-    def _consume_decode(self, ph: _Phase, upto: int) -> None:
-        """Apply steps ``ph.done .. upto-1`` of a pure decode phase (O(running) work)."""
-        m = upto - ph.done
+    def _consume_decode(self, run: _StepRun, upto: int) -> None:
+        """Apply steps ``run.done .. upto-1`` of a run of pure decode steps (O(running))."""
+        m = upto - run.done
         if m <= 0:
             return
-        prev_end_s = ph.start_s if ph.done == 0 else float(ph.ends_s[ph.done - 1])
-        prev_en_j = 0.0 if ph.done == 0 else float(ph.cum_energy_j[ph.done - 1])
-        ph.done = upto
-        now_s = float(ph.ends_s[upto - 1])
+        prev_end_s = run.start_s if run.done == 0 else float(run.ends_s[run.done - 1])
+        prev_en_j = 0.0 if run.done == 0 else float(run.cum_energy_j[run.done - 1])
+        run.done = upto
+        now_s = float(run.ends_s[upto - 1])
         self._clock_s = now_s
-        self._busy_s += now_s - prev_end_s
-        self._step_energy_j += float(ph.cum_energy_j[upto - 1]) - prev_en_j
-        self._steps += m
-        self._decode_tokens += m * len(ph.seqs)
-        bt = self.block_tokens
+        self.busy_s += now_s - prev_end_s
+        self.step_energy_j += float(run.cum_energy_j[upto - 1]) - prev_en_j
+        self.steps += m
+        self.decode_tokens += m * len(run.seqs)
+        bt = self.bt
         done: list[Request] = []
-        for r in ph.seqs:
+        for r in run.seqs:
             r.kv_tokens += m
             r.generated_tokens += m
+            # blocks_for() inline: this loop runs per sequence per consumed run
             nb = -(-r.kv_tokens // bt)
             if nb > r.blocks:
-                self._free_blocks -= nb - r.blocks
+                self.free -= nb - r.blocks
                 r.blocks = nb
             if r.generated_tokens >= r.output_tokens:
                 done.append(r)
-        if ph.done >= ph.k:
-            self._phase = None
+        if run.done >= run.k:
+            self._step_run = None
         self._retire(done, now_s)
 
     def _retire(self, done: list[Request], now_s: float) -> None:
@@ -696,9 +847,12 @@ class Engine:
         for r in done:
             self._finish(r, now_s)
 
-    def _finish(self, r: Request, now_s: float) -> None:
-        r.finish_s = now_s
-        self._free_blocks += r.blocks
+    def _release(self, r: Request) -> None:
+        """``r`` gives back every KV block it holds on chip."""
+        self.give(r.blocks)
         r.blocks = 0
+
+    def _finish(self, r: Request, now_s: float) -> None:
+        self._release(r)
         self._finished.append(r)
-        self._unreported.append(r)
+        super()._finish(r, now_s)

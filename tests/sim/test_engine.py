@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from engine_cases import affine as workload_cost
+from engine_cases import workload
 from sim.engine import AffineStepCost, Engine, Request
 
 # Hand-checkable cost: 2 chips x 10 W static.
@@ -92,7 +94,7 @@ def test_advance_to_finishes_the_step_in_flight(exact):
     assert e.advance_to(6.0) == []                      # reported once
 
 
-def test_next_event_time_is_the_end_of_the_batch_phase():
+def test_next_event_time_is_the_end_of_the_step_run():
     fast = Engine(hand_cost())
     fast.submit("a", 1.0, 100, 5)
     assert fast.next_event_time() == 1.0                 # idle until the arrival
@@ -100,7 +102,7 @@ def test_next_event_time_is_the_end_of_the_batch_phase():
     t_first = fast.next_event_time()                     # the prefill step
     assert t_first == pytest.approx(1.0 + PREFILL_100_S, rel=1e-12)
     fast.advance_to(t_first)
-    # the four decode steps form one phase: next change is the finish
+    # the four decode steps form one run: next change is the finish
     assert fast.next_event_time() == pytest.approx(1.031915, rel=1e-12)
     assert [r.req_id for r in fast.advance_to(fast.next_event_time())] == ["a"]
     assert fast.next_event_time() is None
@@ -303,23 +305,6 @@ def test_idle_time_costs_static_power_and_chip_seconds_count_elapsed_time():
 
 # ---------------------------------------------------------------------- fast vs exact
 
-def workload_cost(kv_capacity_tokens: int = 4096) -> AffineStepCost:
-    """Llama-8B-like magnitudes on 4 chips: ~8 ms weight reads per step, 128 KiB KV per token."""
-    return AffineStepCost(num_chips=4, static_power_w=50.0, kv_capacity_tokens=kv_capacity_tokens,
-                          kv_bytes_per_token=131072.0, host_bw_bytes_per_s=16e9,
-                          c0_s=2e-3, c_tok_s=2e-5, c_ctx_s=1e-9, c_seq_s=2e-5, m0_s=8e-3,
-                          m_kv_s=5e-7, m_seq_s=1e-5, m_tok_s=1e-6, e_tok_j=0.05, e_ctx_j=1e-6,
-                          e_seq_j=0.02, e_kv_j=1e-4)
-
-
-def workload(seed: int, n: int = 200) -> list[tuple[int, float, int, int]]:
-    rng = np.random.default_rng(seed)
-    arrival_s = np.cumsum(rng.exponential(0.05, n))
-    prompt = rng.integers(16, 512, n)
-    output = rng.integers(1, 800, n)
-    return [(i, float(arrival_s[i]), int(prompt[i]), int(output[i])) for i in range(n)]
-
-
 def run_workload(seed: int, exact: bool) -> tuple[Engine, Recorder]:
     rec = Recorder(workload_cost())
     e = Engine(rec, max_batch=32, max_batched_tokens=512, exact=exact)
@@ -351,7 +336,7 @@ def test_fast_mode_agrees_with_exact_mode_with_far_fewer_evaluations(seed):
     assert fs.steps == rs.steps and fs.decode_tokens == rs.decode_tokens
     assert fs.decode_tokens == sum(o - 1 for *_, o in workload(seed))
     assert all(r.generated_tokens == r.output_tokens for r in fast.finished)
-    # the reference evaluates one step per call; the fast path one vector per batch phase
+    # the reference evaluates one step per call; the fast path one vector per run of steps
     assert len(ref_rec.calls) == ref_rec.points == rs.steps == rs.cost_calls
     assert len(fast_rec.calls) == fs.cost_calls and fast_rec.points == fs.cost_points
     assert fs.cost_calls * 8 < rs.cost_calls
@@ -359,13 +344,19 @@ def test_fast_mode_agrees_with_exact_mode_with_far_fewer_evaluations(seed):
     assert fs.cost_points < 1.3 * rs.steps                  # little priced and thrown away
 
 
-@pytest.mark.parametrize("dt_s", [0.001, 0.0137])
-def test_small_increments_with_just_in_time_submission_match_one_big_advance(dt_s):
-    reqs = workload(7, n=150)
+def run_up_front(reqs: list) -> Engine:
+    """The reference for the driving tests: everything submitted, then run to the end."""
     ref = Engine(workload_cost(), max_batch=32, max_batched_tokens=512)
     for req in reqs:
         ref.submit(*req)
     ref.run_until_idle()
+    return ref
+
+
+@pytest.mark.parametrize("dt_s", [0.001, 0.0137])
+def test_small_increments_with_just_in_time_submission_match_one_big_advance(dt_s):
+    reqs = workload(7, n=150)
+    ref = run_up_front(reqs)
     inc = Engine(workload_cost(), max_batch=32, max_batched_tokens=512)
     got: list[Request] = []
     i, t_s = 0, 0.0
@@ -384,10 +375,7 @@ def test_small_increments_with_just_in_time_submission_match_one_big_advance(dt_
 
 def test_event_driven_loop_matches_one_big_advance():
     reqs = workload(3, n=150)
-    ref = Engine(workload_cost(), max_batch=32, max_batched_tokens=512)
-    for req in reqs:
-        ref.submit(*req)
-    ref.run_until_idle()
+    ref = run_up_front(reqs)
     des = Engine(workload_cost(), max_batch=32, max_batched_tokens=512)
     i, got = 0, []
     while len(got) < len(reqs):                              # a discrete-event simulator

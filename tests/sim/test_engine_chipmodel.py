@@ -2,19 +2,13 @@
 import numpy as np
 import pytest
 
-from dse import default_catalog, load_model
-from dse.costmodel import Parallelism
-from dse.vpod import ICITopology
-from sim.chip import ChipModel
+from engine_cases import chip_table
 from sim.engine import Engine
-from sim.stepcost import StepCostTable
 
 
 @pytest.fixture(scope="module")
 def table():
-    chip = default_catalog().get("v6e")
-    return StepCostTable(ChipModel(load_model("llama3-8b"), chip, ICITopology.parse("1x1"),
-                                   Parallelism(1)))
+    return chip_table()
 
 
 def run(table, exact, capacity=None, n=150, seed=0):

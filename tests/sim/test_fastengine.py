@@ -8,37 +8,15 @@ import math
 import numpy as np
 import pytest
 
-from dse import default_catalog, load_model
-from dse.costmodel import Parallelism
-from dse.vpod import ICITopology
-from sim.chip import ChipModel
-from sim.engine import AffineStepCost, Engine
+from engine_cases import affine, chip_table, workload
+from sim.engine import Engine
 from sim.fastengine import DecodeEngine, PrefillEngine
-from sim.stepcost import PipelineShare, StepCostTable
-
-
-def affine(kv_capacity_tokens: int) -> AffineStepCost:
-    # memory-bound decode (latency affine in the summed KV): the linearised phases are exact
-    return AffineStepCost(num_chips=4, static_power_w=50.0, kv_capacity_tokens=kv_capacity_tokens,
-                          kv_bytes_per_token=131072.0, host_bw_bytes_per_s=16e9,
-                          c0_s=2e-3, c_tok_s=2e-5, c_ctx_s=1e-9, c_seq_s=2e-5, m0_s=8e-3,
-                          m_kv_s=5e-7, m_seq_s=1e-5, m_tok_s=1e-6, e_tok_j=0.05, e_ctx_j=1e-6,
-                          e_seq_j=0.02, e_kv_j=1e-4)
+from sim.stepcost import PipelineShare
 
 
 @pytest.fixture(scope="module")
 def table():
-    chip = default_catalog().get("v6e")
-    return StepCostTable(ChipModel(load_model("llama3-8b"), chip, ICITopology.parse("1x1"),
-                                   Parallelism(1)))
-
-
-def workload(seed, n, gap_s, prompt=(16, 512), output=(1, 800)):
-    rng = np.random.default_rng(seed)
-    t = np.cumsum(rng.exponential(gap_s, n))
-    p = rng.integers(*prompt, n)
-    o = rng.integers(*output, n)
-    return [(i, float(t[i]), int(p[i]), int(o[i])) for i in range(n)]
+    return chip_table()
 
 
 def compare(ref: Engine, fast, reqs, fast_reqs, rtol):
@@ -105,7 +83,7 @@ def test_decode_engine_on_the_chip_model_table(table):
     finally:
         table.kv_capacity_tokens = full
     assert ref.stats().preemptions > 0
-    # the table is log-log interpolated: a phase's linearised latency is within 1e-4
+    # the table is log-log interpolated: a run's linearised latency is within 1e-4
     compare(ref, fast, reqs, handles, 1e-4)
     tpot_ref = np.array([ref.requests[i].tpot_s or 0 for i, *_ in reqs])
     tpot = np.array([h.tpot_s or 0 for h in handles])
@@ -114,7 +92,7 @@ def test_decode_engine_on_the_chip_model_table(table):
 
 def test_pipeline_share_and_a_single_long_request(table):
     share = PipelineShare(table, 4)
-    fast = DecodeEngine(share, max_batch=8, max_phase_steps=64)
+    fast = DecodeEngine(share, max_batch=8, max_run_steps=64)
     ref = Engine(share, mode="decode", max_batch=8, exact=True)
     for e in (fast, ref):
         e.submit("a", 0.0, 1000, 3000)
