@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse import default_catalog, load_model  # noqa: E402
 from dse.costmodel import Parallelism  # noqa: E402
-from dse.vpod import ICITopology  # noqa: E402
 from sim.chip import ChipModel  # noqa: E402
 from sim.engine import Engine  # noqa: E402
 from sim.stepcost import StepCostTable  # noqa: E402
@@ -34,8 +33,7 @@ def main() -> None:
     print(f"{'allocation':34} {'detailed st/s':>13} {'table st/s':>12} {'ratio':>8} "
           f"{'build s':>8} {'max err':>8} {'engine fast/exact':>18}")
     for m, c, t, par in CASES:
-        chip = cat.get(c)
-        cm = ChipModel(load_model(m), chip, ICITopology.parse(t).for_chip(chip), par)
+        cm = ChipModel.of(load_model(m), cat, c, t, par.tp, par.pp, par.ep)
         n = 300
         nd = rng.integers(1, 256, n)
         kv = nd * rng.integers(128, 8192, n)

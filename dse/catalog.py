@@ -27,11 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+import re
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .errors import NeuScaleError
+from .files import MiB, read_text
 
 TERA = 1e12
 GIGA = 1e9
@@ -93,39 +95,25 @@ class ChipSpec:
     def all_names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
 
+    def vpod_usd(self, num_chips, seconds):
+        """Dollars of ``num_chips`` of these chips held for ``seconds`` at the on-demand price
+        (numpy-friendly: either argument may be an array). The one place a vPod is priced."""
+        return num_chips * self.price_usd_per_chip_hour / 3600.0 * seconds
+
     def accelerator_type(self, num_chips: int) -> str:
         """Cloud TPU accelerator-type name for a slice of ``num_chips`` (e.g. v5p-8 = 4 chips)."""
         per_chip = 2 if self.accelerator_count_unit == "cores" else 1
         return f"{self.accelerator_prefix}-{num_chips * per_chip}"
 
     def validate(self) -> None:
-        problems = []
-        positive = [
-            "peak_flops_per_s", "max_flop_per_j", "sram_bytes", "hbm_bw_bytes_per_s",
-            "hbm_bytes", "max_hbm_bytes_per_j", "ici_link_bw_bytes_per_s", "dcn_bw_bytes_per_s",
-            "price_usd_per_chip_hour", "ici_j_per_byte", "ici_hop_latency_s",
-        ]
-        for name in positive:
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                problems.append(f"{name} must be a positive number (got {v!r})")
-        if self.torus_dims not in (2, 3):
-            problems.append(f"torus_dims must be 2 or 3 (got {self.torus_dims!r})")
-        for name in ("systolic_width", "ici_links_per_chip", "max_chips_per_pod", "max_dim_chips",
-                     "wrap_min_dim", "chips_per_host", "min_slice_chips"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                problems.append(f"{name} must be a positive integer (got {v!r})")
-        if self.accelerator_count_unit not in ("cores", "chips"):
-            problems.append("accelerator_count_unit must be 'cores' or 'chips'")
+        """Refuse a chip with a field of the wrong type or range (the message names each)."""
+        problems = _field_problems({f.name: getattr(self, f.name) for f in fields(self)})
         if not problems:
-            if self.static_power_w < 0:
-                problems.append("static_power_w must be >= 0")
-            if self.e_flop_j <= 0:
+            if not (math.isfinite(self.e_flop_j) and self.e_flop_j > 0):
                 problems.append(
                     f"static_power_w={self.static_power_w} W exceeds the chip's power at peak "
                     f"compute ({self.peak_flops_per_s / self.max_flop_per_j:.1f} W): lower it")
-            if self.e_hbm_j_per_byte <= 0:
+            if not (math.isfinite(self.e_hbm_j_per_byte) and self.e_hbm_j_per_byte > 0):
                 problems.append(
                     f"static_power_w={self.static_power_w} W exceeds the chip's power at peak "
                     f"HBM bandwidth ({self.hbm_bw_bytes_per_s / self.max_hbm_bytes_per_j:.1f} W): "
@@ -138,6 +126,81 @@ class ChipSpec:
         d["aliases"] = list(self.aliases)
         d["sources"] = dict(self.sources)
         return d
+
+
+# A chip name or alias: it is typed on command lines (``--chips a,b``, ``CHIP:TOPOLOGY``) and
+# becomes part of cache file names, so no commas, colons, slashes or spaces.
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+_NAME_RULE = "1-64 letters, digits, '.', '_', '+' or '-', starting with a letter or digit"
+_POSITIVE_NUMBERS = (
+    "peak_flops_per_s", "max_flop_per_j", "sram_bytes", "hbm_bw_bytes_per_s", "hbm_bytes",
+    "max_hbm_bytes_per_j", "ici_link_bw_bytes_per_s", "dcn_bw_bytes_per_s",
+    "price_usd_per_chip_hour", "ici_j_per_byte", "ici_hop_latency_s",
+)
+# integer fields and their upper bounds (far above any real chip; max_dim_chips also bounds the
+# topology enumeration, which walks every power of two up to it)
+_POSITIVE_INTS = {
+    "release_year": 9999, "process_node_nm": 1 << 16, "systolic_width": 1 << 16,
+    "ici_links_per_chip": 1 << 10, "max_chips_per_pod": 1 << 30, "max_dim_chips": 1 << 16,
+    "wrap_min_dim": 1 << 16, "chips_per_host": 1 << 16, "min_slice_chips": 1 << 30,
+}
+
+
+def _show(v: Any) -> str:
+    """A field value as the user wrote it (JSON spelling), shortened."""
+    if v is None or isinstance(v, bool):
+        return json.dumps(v)
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _field_problems(v: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the ChipSpec field values ``v`` (aliases a tuple), one phrase each."""
+    out = []
+    name = v.get("name")
+    if not (isinstance(name, str) and _NAME_RE.fullmatch(name)):
+        out.append(f"name must be {_NAME_RULE} (got {_show(name)})")
+    aliases = v.get("aliases")
+    if not isinstance(aliases, tuple):
+        out.append(f"aliases must be a list of names (or one name), not {_show(aliases)}")
+    else:
+        bad = [a for a in aliases if not (isinstance(a, str) and _NAME_RE.fullmatch(a))]
+        if bad:
+            out.append(f"each alias must be {_NAME_RULE} (got {_show(bad[0])})")
+    for k in _POSITIVE_NUMBERS:
+        x = v.get(k)
+        if not (_is_number(x) and math.isfinite(x) and x > 0):
+            out.append(f"{k} must be a positive number (got {_show(x)})")
+    x = v.get("static_power_w")
+    if not (_is_number(x) and math.isfinite(x) and x >= 0):
+        out.append(f"static_power_w must be a number >= 0 (got {_show(x)})")
+    x = v.get("torus_dims")
+    if not (isinstance(x, int) and not isinstance(x, bool) and x in (2, 3)):
+        out.append(f"torus_dims must be 2 or 3 (got {_show(x)})")
+    for k, hi in _POSITIVE_INTS.items():
+        x = v.get(k)
+        if not (isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= hi):
+            out.append(f"{k} must be a positive integer of at most {hi:,} (got {_show(x)})")
+        elif k == "max_dim_chips" and x & (x - 1):
+            out.append(f"max_dim_chips must be a power of two (got {x})")
+    for k in ("hbm_type", "accelerator_prefix"):
+        x = v.get(k)
+        if not (isinstance(x, str) and x.strip() and len(x) <= 64):
+            out.append(f"{k} must be a non-empty string of at most 64 characters "
+                       f"(got {_show(x)})")
+    if v.get("accelerator_count_unit") not in ("cores", "chips") or \
+            not isinstance(v.get("accelerator_count_unit"), str):
+        out.append(f"accelerator_count_unit must be 'cores' or 'chips' "
+                   f"(got {_show(v.get('accelerator_count_unit'))})")
+    src = v.get("sources")
+    if not (isinstance(src, Mapping)
+            and all(isinstance(a, str) and isinstance(b, str) for a, b in src.items())):
+        out.append(f"sources must map topics to source strings (got {_show(src)})")
+    return out
 
 
 def static_power_from_table2(hbm_bw_bytes_per_s: float, max_hbm_bytes_per_j: float) -> float:
@@ -258,13 +321,39 @@ class Catalog:
         for c in chips:
             self.add(c)
 
-    def add(self, chip: ChipSpec) -> None:
+    def add(self, chip: ChipSpec, replace: bool = False) -> None:
+        """Add ``chip``. Every name and alias must be new to the catalog; with ``replace`` the
+        chip instead takes the place (and the position) of the catalog's chip of the same name,
+        whose aliases go with it."""
         chip.validate()
-        for n in chip.all_names:
-            owner = self._names.get(n.lower())
-            if owner is not None and owner != chip.name:
-                raise NeuScaleError(f"chip name {n!r} is already used by chip {owner!r}")
-        self._chips[chip.name] = chip
+        owner = self._names.get(chip.name.lower())
+        if replace:
+            if owner is None:
+                raise NeuScaleError(
+                    f"chip {chip.name!r} says override: true, but there is no chip of that name "
+                    f"to replace (known: {', '.join(self.names())}); drop override to add it "
+                    "as a new chip")
+            if owner.lower() != chip.name.lower():
+                raise NeuScaleError(
+                    f"chip {chip.name!r} says override: true, but {chip.name!r} is an alias of "
+                    f"chip {owner!r}: name the chip {owner!r} to replace it")
+        elif owner is not None:
+            if owner.lower() == chip.name.lower():
+                raise NeuScaleError(
+                    f"chip {chip.name!r} is already in the catalog: give the new chip another "
+                    "name, or add `override: true` to its entry to replace the existing one")
+            raise NeuScaleError(f"chip name {chip.name!r} is already used by chip {owner!r}")
+        for n in chip.aliases:
+            other = self._names.get(n.lower())
+            if other is not None and other != owner:
+                raise NeuScaleError(f"chip {chip.name!r}: alias {n!r} is already used by chip "
+                                    f"{other!r}; remove it from aliases")
+        if owner is None:
+            self._chips[chip.name] = chip
+        else:
+            self._chips = {(chip.name if k == owner else k): (chip if k == owner else c)
+                           for k, c in self._chips.items()}
+            self._names = {n: k for n, k in self._names.items() if k != owner}
         for n in chip.all_names:
             self._names[n.lower()] = chip.name
 
@@ -305,58 +394,141 @@ class Catalog:
 
 
 _CHIP_FIELDS = {f.name for f in fields(ChipSpec)}
+# fields a chip file may leave out: derived (static_power_w) or with a default
+_OPTIONAL_FIELDS = {"static_power_w", "aliases", "sources"} | {
+    f.name for f in fields(ChipSpec) if f.default is not MISSING}
+MAX_CHIP_FILE_BYTES = 16 * MiB
+
+
+def _chip_entry(d: Any, origin: str) -> tuple[ChipSpec, bool]:
+    """A chip and its ``override`` flag from one chip-file entry (see :func:`load_chip_file`)."""
+    if not isinstance(d, Mapping):
+        raise NeuScaleError(f"{origin}: a chip entry must be an object of ChipSpec fields, "
+                            f"not {_show(d)}")
+    keys = [k for k in d if not isinstance(k, str)]
+    if keys:
+        raise NeuScaleError(f"{origin}: chip field names must be strings (got {_show(keys[0])})")
+    name = d.get("name")
+    label = f"chip {name!r}" if isinstance(name, str) and name else "chip entry"
+    unknown = set(d) - _CHIP_FIELDS - {"override"}
+    if unknown:
+        raise NeuScaleError(f"{origin}: {label}: unknown chip field(s) {sorted(unknown)}; "
+                            f"valid fields: {sorted(_CHIP_FIELDS | {'override'})}")
+    missing = _CHIP_FIELDS - _OPTIONAL_FIELDS - set(d)
+    if missing:
+        raise NeuScaleError(f"{origin}: {label} is missing field(s) {sorted(missing)}")
+    override = d.get("override", False)
+    if not isinstance(override, bool):
+        raise NeuScaleError(f"{origin}: {label}: override must be true or false "
+                            f"(got {_show(override)})")
+    kw = {k: v for k, v in d.items() if k != "override"}
+    aliases = kw.get("aliases")
+    if aliases is None:
+        kw["aliases"] = ()
+    elif isinstance(aliases, str):
+        kw["aliases"] = (aliases,)            # one alias, not a string of one-letter aliases
+    elif isinstance(aliases, list):
+        kw["aliases"] = tuple(aliases)
+    if kw.get("sources") is None:
+        kw["sources"] = {"specs": origin}
+    elif isinstance(kw["sources"], Mapping):
+        kw["sources"] = dict(kw["sources"])
+    derive = kw.get("static_power_w") is None
+    vals = {f.name: f.default for f in fields(ChipSpec) if f.default is not MISSING}
+    vals.update(kw)
+    if derive:
+        vals["static_power_w"] = 0.0          # derived below, once the rest is known valid
+    problems = _field_problems(vals)
+    if problems:
+        raise NeuScaleError(f"{origin}: {label}: " + "; ".join(problems))
+    if derive:
+        del vals["static_power_w"]
+    chip = _builtin(**vals)
+    try:
+        chip.validate()
+    except NeuScaleError as e:
+        raise NeuScaleError(f"{origin}: {e}") from None
+    return chip, override
 
 
 def chip_from_mapping(d: Mapping[str, Any], origin: str = "chip file") -> ChipSpec:
-    """Build a chip from a mapping whose keys are ChipSpec fields (static_power_w optional)."""
-    unknown = set(d) - _CHIP_FIELDS
-    if unknown:
-        raise NeuScaleError(f"{origin}: unknown chip field(s) {sorted(unknown)}; "
-                            f"valid fields: {sorted(_CHIP_FIELDS)}")
-    required = {f.name for f in fields(ChipSpec)
-                if f.default is f.default_factory is __import__("dataclasses").MISSING}
-    required.discard("static_power_w")
-    missing = required - set(d)
-    if missing:
-        raise NeuScaleError(f"{origin}: chip {d.get('name', '?')!r} is missing field(s) "
-                            f"{sorted(missing)}")
-    kw = dict(d)
-    kw["aliases"] = tuple(kw.get("aliases") or ())
-    kw["sources"] = dict(kw.get("sources") or {"specs": origin})
-    try:
-        return _builtin(**kw)
-    except TypeError as e:  # pragma: no cover - guarded by the field checks above
-        raise NeuScaleError(f"{origin}: {e}") from None
+    """Build a chip from a mapping whose keys are ChipSpec fields (``static_power_w``,
+    ``aliases``, ``sources`` and the fields with defaults optional; ``aliases`` a list of names
+    or one name). Every field is checked for type and range; a bad one raises
+    :class:`NeuScaleError` naming it."""
+    return _chip_entry(d, origin)[0]
 
 
-def load_chip_file(path: str | Path) -> list[ChipSpec]:
-    """Read one chip or a list of chips (``{"chips": [...]}`` also accepted) from JSON or YAML."""
+def _load_entries(path: str | Path) -> list[tuple[ChipSpec, bool]]:
     p = Path(path)
+    yaml_file = p.suffix.lower() in (".yaml", ".yml")
     try:
-        text = p.read_text()
-    except OSError as e:
-        raise NeuScaleError(f"cannot read chip file {str(p)!r}: {e.strerror}") from None
+        text = read_text(p, "chip file", MAX_CHIP_FILE_BYTES)
+    except ValueError as e:
+        if isinstance(e, NeuScaleError):
+            raise
+        raise NeuScaleError(f"cannot read chip file {str(p)!r}: {e}") from None
     try:
-        if p.suffix.lower() in (".yaml", ".yml"):
+        if yaml_file:
             import yaml
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
     except Exception as e:  # noqa: BLE001 - any parse error becomes one message
         raise NeuScaleError(f"chip file {str(p)!r} is not valid "
-                            f"{'YAML' if p.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {e}"
-                            ) from None
+                            f"{'YAML' if yaml_file else 'JSON'}: {e}") from None
+    shape = "a chip object, a list of them or {\"chips\": [...]}"
     if isinstance(data, Mapping) and "chips" in data:
+        extra = [k for k in data if k != "chips"]
+        if extra:
+            raise NeuScaleError(f"chip file {str(p)!r}: unexpected key {_show(extra[0])} beside "
+                                f"'chips'; a chip file holds {shape}")
         data = data["chips"]
+        if not isinstance(data, list):
+            raise NeuScaleError(f"chip file {str(p)!r}: 'chips' must be a list of chip objects")
     items = data if isinstance(data, list) else [data]
+    if not items:
+        raise NeuScaleError(f"chip file {str(p)!r} holds no chips")
     if not all(isinstance(i, Mapping) for i in items):
-        raise NeuScaleError(f"chip file {str(p)!r} must hold a chip object or a list of them")
-    return [chip_from_mapping(i, origin=str(p)) for i in items]
+        raise NeuScaleError(f"chip file {str(p)!r} must hold {shape}")
+    out: list[tuple[ChipSpec, bool]] = []
+    seen: set[str] = set()
+    for i, item in enumerate(items, 1):
+        entry = _chip_entry(item, str(p) if len(items) == 1 else f"{p} (entry {i})")
+        if entry[0].name.lower() in seen:
+            raise NeuScaleError(f"chip file {str(p)!r} defines chip {entry[0].name!r} twice; "
+                                "keep one entry")
+        seen.add(entry[0].name.lower())
+        out.append(entry)
+    return out
+
+
+def load_chip_file(path: str | Path) -> list[ChipSpec]:
+    """Read one chip or a list of chips (``{"chips": [...]}`` also accepted) from JSON or YAML
+    (a regular UTF-8 file of at most 16 MiB). An entry may carry ``override: true`` (see
+    :func:`default_catalog`)."""
+    return [chip for chip, _ in _load_entries(path)]
 
 
 def default_catalog(extra_files: Iterable[str | Path] = ()) -> Catalog:
+    """The built-in chips plus those of ``extra_files`` (``--chip-file``), in order.
+
+    A chip file adds new chips: a name or alias that the catalog already has (a built-in's, or
+    one from an earlier file) is refused, and so is a chip defined twice. To replace a chip -
+    e.g. a v6e at another price - give the entry the chip's name and ``override: true``: it
+    takes the built-in's place (its aliases are the entry's, the old ones go).
+    """
     cat = Catalog()
+    seen: dict[str, str] = {}
     for f in extra_files:
-        for chip in load_chip_file(f):
-            cat.add(chip)
+        for chip, override in _load_entries(f):
+            where = seen.get(chip.name.lower())
+            if where is not None:
+                raise NeuScaleError(f"chip {chip.name!r} is defined twice, in {where!r} and in "
+                                    f"{str(f)!r}; keep one")
+            seen[chip.name.lower()] = str(f)
+            try:
+                cat.add(chip, replace=override)
+            except NeuScaleError as e:
+                raise NeuScaleError(f"{f}: {e}") from None
     return cat

@@ -12,7 +12,8 @@ derives, per chip and per pipeline stage:
   weights of experts that receive at least one token;
 * ICI time/bytes analytically: TP all-reduce (2 per layer), EP all-to-all (dispatch + combine per
   MoE layer), LM-head logit all-gather, PP activation send - ring algorithms per torus
-  dimension, bidirectional where the slice has wrap-around links, plus a per-hop latency.
+  dimension, bidirectional where the slice has wrap-around links, plus a per-hop latency
+  (coefficients from :mod:`dse.torus`; the split and its stages from :mod:`dse.parallel`).
 
 Roofline: every component takes ``max(FLOPs / peak, bytes / HBM BW)`` (one kernel each, as XLA
 emits them), a stage adds its collectives, the slowest stage sets the pace. Pipelining splits the
@@ -34,7 +35,13 @@ import numpy as np
 from .catalog import ChipSpec
 from .errors import NeuScaleError
 from .models import BYTES_PER_PARAM, ModelArch
-from .vpod import ICITopology, is_pow2
+# The split of a model over chips and the torus collectives live in their own modules (the chip
+# model uses them too); the names are re-exported here, where callers have always found them.
+from .parallel import (Parallelism, enumerate_parallelisms, max_weights_bytes, stage_layout,
+                       stage_weights, validate_parallelism, weight_bytes)
+from .torus import (Collective, allgather_cost, allreduce_cost, alltoall_cost, collectives,
+                    group_dims, p2p_cost, stack_collectives)
+from .vpod import ICITopology
 from .xla_cost import ComponentFit, FitCache, ShardDims, components_for, fit_key
 
 PHASES = ("prefill", "decode")
@@ -53,143 +60,6 @@ MODEL_VERSION = 2       # 2: prefill KV of every batch in flight in the pipeline
 
 REASONS = ("weights", "kv_cache", "activations")
 BOUNDS = ("compute", "memory", "ici")
-
-
-@dataclass(frozen=True, order=True)
-class Parallelism:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-
-    @property
-    def chips(self) -> int:
-        return self.tp * self.pp * self.ep
-
-    def __str__(self) -> str:
-        return f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
-
-
-def validate_parallelism(arch: ModelArch, par: Parallelism) -> None:
-    probs = []
-    for n in ("tp", "pp", "ep"):
-        if not is_pow2(getattr(par, n)):
-            probs.append(f"{n}={getattr(par, n)} must be a power of two")
-    if par.tp > arch.heads:
-        probs.append(f"tp={par.tp} exceeds the model's {arch.heads} attention heads")
-    if par.pp > arch.layers:
-        probs.append(f"pp={par.pp} exceeds the model's {arch.layers} layers")
-    if par.ep > 1 and not arch.is_moe:
-        probs.append(f"ep={par.ep} needs a mixture-of-experts model ({arch.name} is dense)")
-    if arch.is_moe and par.ep > arch.n_routed_experts:
-        probs.append(f"ep={par.ep} exceeds the model's {arch.n_routed_experts} experts")
-    if probs:
-        raise NeuScaleError(f"invalid parallelism {par} for {arch.name}: " + "; ".join(probs))
-
-
-def enumerate_parallelisms(arch: ModelArch, n_chips: int) -> list[Parallelism]:
-    """All TP x PP (x EP) factorisations of ``n_chips`` valid for the model."""
-    out = []
-    tp = 1
-    while tp <= min(n_chips, arch.heads):
-        ep = 1
-        while tp * ep <= n_chips and (ep == 1 or (arch.is_moe and ep <= arch.n_routed_experts)):
-            pp = n_chips // (tp * ep)
-            if tp * ep * pp == n_chips and pp <= arch.layers:
-                out.append(Parallelism(tp, pp, ep))
-            ep *= 2
-            if not arch.is_moe:
-                break
-        tp *= 2
-    return out
-
-
-def stage_layout(arch: ModelArch, pp: int) -> list[tuple[int, int, bool, bool, int]]:
-    """Distinct pipeline stages: (n_dense, n_moe, has_embed, has_lm_head, how_many)."""
-    kinds = arch.layer_kinds()
-    L = len(kinds)
-    sizes = [L // pp + (1 if i < L % pp else 0) for i in range(pp)]
-    stages: dict[tuple[int, int, bool, bool], int] = {}
-    pos = 0
-    for i, sz in enumerate(sizes):
-        chunk = kinds[pos:pos + sz]
-        pos += sz
-        key = (chunk.count("dense"), chunk.count("moe"), i == 0, i == pp - 1)
-        stages[key] = stages.get(key, 0) + 1
-    return [(*k, v) for k, v in stages.items()]
-
-
-# ---------------------------------------------------------------------------------------------
-# Topology: how TP / EP / PP groups map onto torus dimensions, and collective cost coefficients
-# ---------------------------------------------------------------------------------------------
-
-def group_dims(topo: ICITopology, chip: ChipSpec, par: Parallelism
-               ) -> dict[str, list[tuple[int, bool]]]:
-    """Assign torus dimensions to the TP, then EP, then PP groups (largest dimensions first, so
-    the most communication-heavy group gets the longest rings). Returns, per group, the
-    (extent, has_wraparound) of each dimension it spans."""
-    if topo.num_chips != par.chips:
-        raise NeuScaleError(f"{par} uses {par.chips} chips but topology {topo} has "
-                            f"{topo.num_chips}")
-    wrap = topo.has_wraparound(chip)
-    order = sorted(range(topo.ndim), key=lambda i: -topo.dims[i])
-    remaining = {i: topo.dims[i] for i in order}
-    out: dict[str, list[tuple[int, bool]]] = {"tp": [], "ep": [], "pp": []}
-    for name, need in (("tp", par.tp), ("ep", par.ep), ("pp", par.pp)):
-        for i in order:
-            if need == 1:
-                break
-            f = min(need, remaining[i])
-            if f > 1:
-                out[name].append((f, wrap and f == topo.dims[i]))
-                remaining[i] //= f
-                need //= f
-    return out
-
-
-@dataclass(frozen=True)
-class Collective:
-    """time = alpha_s + beta_s_per_byte * M; ICI bytes sent per chip = gamma * M."""
-    alpha_s: float = 0.0
-    beta_s_per_byte: float = 0.0
-    gamma: float = 0.0
-
-
-def allreduce_cost(dims: list[tuple[int, bool]], chip: ChipSpec) -> Collective:
-    """Ring reduce-scatter + all-gather, one torus dimension after another. With D dimensions the
-    message is split into D parts that walk the dimensions in rotated orders at the same time
-    (each part uses different links), so the bandwidth term is shared D ways."""
-    a = b = g = 0.0
-    frac = 1.0
-    for k, wrap in dims:
-        bw = chip.ici_link_bw_bytes_per_s * (2 if wrap else 1)
-        a += 2 * (k - 1) * chip.ici_hop_latency_s
-        b += 2 * (k - 1) / k * frac / bw
-        g += 2 * (k - 1) / k * frac
-        frac /= k
-    return Collective(a, b / max(1, len(dims)), g)
-
-
-def allgather_cost(dims: list[tuple[int, bool]], chip: ChipSpec) -> Collective:
-    ar = allreduce_cost(dims, chip)
-    return Collective(ar.alpha_s / 2, ar.beta_s_per_byte / 2, ar.gamma / 2)
-
-
-def alltoall_cost(dims: list[tuple[int, bool]], chip: ChipSpec) -> Collective:
-    """Dimension-ordered all-to-all; M = bytes one chip sends in total. On a ring of k chips each
-    byte travels k/4 hops on average (k/3 without wrap-around) and the bisection limits the time
-    to M*k/8 (M*k/4) per link bandwidth, or the injection limit M(k-1)/k per ring bandwidth."""
-    a = b = g = 0.0
-    lb = chip.ici_link_bw_bytes_per_s
-    for k, wrap in dims:
-        ring_bw = lb * (2 if wrap else 1)
-        b += max((k - 1) / k / ring_bw, k / (8 if wrap else 4) / lb)
-        a += (k - 1) * chip.ici_hop_latency_s
-        g += max(1.0, k / (4 if wrap else 3))
-    return Collective(a, b, g)
-
-
-def p2p_cost(chip: ChipSpec) -> Collective:
-    return Collective(chip.ici_hop_latency_s, 1.0 / chip.ici_link_bw_bytes_per_s, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,39 +93,6 @@ def causal_fraction(s: np.ndarray) -> np.ndarray:
     """Share of the S x S score matrix a block-skipping causal kernel computes."""
     nq = np.ceil(s / FLASH_Q_BLOCK)
     return (nq + 1) / (2 * nq)
-
-
-def weight_bytes(a: ModelArch, d: ShardDims) -> dict[str, float]:
-    """Bytes of each weight group held by one chip under the shard ``d``."""
-    H = d.hidden
-    if d.is_mla:
-        qk = d.nope + d.rope
-        attn = (H * d.q_lora + d.q_lora + d.q_lora * d.heads * qk + H * (d.kv_lora + d.rope)
-                + d.kv_lora + d.kv_lora * d.heads * (d.nope + d.v_dim) + d.heads * d.v_dim * H
-                + H)
-    else:
-        attn = H * (d.heads + 2 * d.kv_heads) * d.head_dim + d.heads * d.head_dim * H + H
-    w = {"attn": attn, "mlp": 3 * H * d.inter + H, "lm_head": d.vocab * H + H,
-         "embed": d.vocab * H}
-    if a.is_moe:
-        w["moe_tok"] = H * d.n_experts_total * 2 + 3 * H * d.shared_inter + H  # fp32 router
-        w["expert"] = 3 * H * d.moe_inter
-    return {k: v * B2 for k, v in w.items()}
-
-
-def _stage_weights(W: dict[str, float], d: ShardDims, n_dense: int, n_moe: int,
-                   has_embed: bool, has_lm: bool) -> float:
-    w = (n_dense + n_moe) * W["attn"] + n_dense * W["mlp"]
-    if n_moe:
-        w += n_moe * (W["moe_tok"] + d.experts * W["expert"])
-    return w + (W["lm_head"] if has_lm else 0.0) + (W["embed"] if has_embed else 0.0)
-
-
-def max_weights_bytes(a: ModelArch, par: Parallelism) -> float:
-    """Weights held by one chip of the heaviest pipeline stage (cheap: no grid, no fits)."""
-    d = ShardDims.of(a, par.tp, par.ep)
-    W = weight_bytes(a, d)
-    return max(_stage_weights(W, d, nd, nm, he, hl) for nd, nm, he, hl, _ in stage_layout(a, par.pp))
 
 
 class CostModel:
@@ -295,10 +132,147 @@ class CostModel:
         hit = self._work_cache.get(key)
         if hit is not None:
             return hit
-        a = self.arch
-        d = ShardDims.of(a, par.tp, par.ep)
+        d = ShardDims.of(self.arch, par.tp, par.ep)
         W = self.weight_bytes(d)
-        H = d.hidden
+        g = _Grid.of(par, phase, B, S)
+        L = self._layers(par, g, d, W)
+        stages = [self._stage(par, g, d, W, L, *st) for st in stage_layout(self.arch, par.pp)]
+        w = Work(par, phase, g.B, g.S, g.m, stages)
+        self._work_cache[key] = w
+        return w
+
+    def _layers(self, par: Parallelism, g: "_Grid", d: ShardDims, W: dict[str, float]
+                ) -> "_Layers":
+        """Per-layer work of every component on the grid, and the activation peak."""
+        L = _Layers({}, {}, {}, 0.0, 0.0)
+        self._attention(par, g, d, W, L)
+        H, ones = d.hidden, g.ones
+        # dense MLP
+        fm = self._fit("mlp", par)
+        L.flops["mlp"] = fm.flops_at(g.t_attn) * ones
+        L.hbm_bytes["mlp"] = W["mlp"] * g.n_pass + g.t_attn * (3 * H + 2 * d.inter) * B2 * ones
+        L.xla_bytes["mlp"] = fm.xla_bytes_at(g.t_attn) * ones
+        # LM head (last token of each sequence in prefill, every token in decode)
+        fl_ = self._fit("lm_head", par)
+        L.flops["lm_head"] = fl_.flops_at(g.t_lm) * ones
+        L.hbm_bytes["lm_head"] = W["lm_head"] + g.t_lm * (H * B2 + d.vocab * 4) * ones
+        L.xla_bytes["lm_head"] = fl_.xla_bytes_at(g.t_lm) * ones
+        moe_act = self._moe(par, g, d, W, L) if self.arch.is_moe else 0.0
+        if d.is_mla:
+            attn_width = d.heads * (2 * (d.nope + d.rope) + d.nope + d.v_dim)
+        else:
+            attn_width = (d.heads + 2 * d.kv_heads) * d.head_dim
+        L.act_peak = g.t_act * (4 * H + 2 * max(attn_width, 2 * d.inter, 2 * d.shared_inter)) \
+            * B2 + g.t_lm * d.vocab * 4 + moe_act
+        return L
+
+    def _attention(self, par: Parallelism, g: "_Grid", d: ShardDims, W: dict[str, float],
+                   L: "_Layers") -> None:
+        """Attention: XLA FLOPs with causal block skipping, fused activation and KV traffic."""
+        H, Sf, b_loc, t_attn = d.hidden, g.S, g.b_loc, g.t_attn
+        fa = self._fit("attn_prefill" if g.prefill else "attn_decode", par)
+        fl_attn = fa.flops_at(b_loc, Sf)
+        if g.prefill:  # causal block skipping on the S^2 terms
+            s2 = fa.flops[0] * b_loc * Sf ** 2 + fa.flops[3] * Sf ** 2
+            fl_attn = fl_attn - s2 * (1 - causal_fraction(Sf))
+        if d.is_mla:
+            qk = d.nope + d.rope
+            act = t_attn * (3 * H + 2 * d.q_lora + 2 * d.heads * qk + 2 * (d.kv_lora + d.rope)
+                            + 2 * d.heads * d.v_dim + (d.kv_lora + d.rope))
+            if g.prefill:
+                act = act + t_attn * 2 * d.heads * (d.nope + d.v_dim)
+                kv_read = np.ceil(Sf / FLASH_Q_BLOCK) * b_loc * Sf * d.heads * (qk + d.v_dim)
+            else:
+                kv_read = b_loc * Sf * (d.kv_lora + d.rope)
+            L.kv_elems = d.kv_lora + d.rope
+        else:
+            hd = d.head_dim
+            act = t_attn * (3 * H + (d.heads + 2 * d.kv_heads) * hd + 3 * d.heads * hd
+                            + 2 * d.kv_heads * hd)
+            reread = np.ceil(Sf / FLASH_Q_BLOCK) if g.prefill else 1.0
+            kv_read = reread * b_loc * Sf * 2 * d.kv_heads * hd
+            L.kv_elems = 2 * d.kv_heads * hd
+        L.flops["attn"] = fl_attn
+        L.hbm_bytes["attn"] = W["attn"] * g.n_pass + (act + kv_read) * B2
+        L.xla_bytes["attn"] = fa.xla_bytes_at(b_loc, Sf)
+
+    def _moe(self, par: Parallelism, g: "_Grid", d: ShardDims, W: dict[str, float],
+             L: "_Layers") -> np.ndarray:
+        """Router + shared expert and routed experts (only experts that receive a token are
+        read); returns the routed experts' live activations."""
+        H, ones, t_attn = d.hidden, g.ones, g.t_attn
+        ft = self._fit("moe_tok", par)
+        fe = self._fit("experts", par)
+        L.flops["moe_tok"] = ft.flops_at(t_attn) * ones
+        L.hbm_bytes["moe_tok"] = W["moe_tok"] * g.n_pass \
+            + t_attn * (5 * H + 4 * d.n_experts_total + 2 * d.shared_inter) * B2 * ones
+        routed = g.b_mb * g.q_tok * d.top_k            # expert assignments in the stage
+        c = routed / d.n_experts_total                 # tokens per expert (mean)
+        L.flops["experts"] = fe.flops_at(c) * ones
+        p_active = 1.0 - np.power(1.0 - d.top_k / d.n_experts_total, g.b_mb * g.q_tok)
+        L.hbm_bytes["experts"] = (d.experts * p_active * W["expert"] * g.n_pass
+                                  + d.experts * c * (2 * H + 2 * d.moe_inter) * B2) * ones
+        L.xla_bytes["moe"] = (ft.xla_bytes_at(t_attn) + fe.xla_bytes_at(c)) * ones
+        return d.experts * c * g.t_act / t_attn * (2 * H + 2 * d.moe_inter) * B2
+
+    def _stage(self, par: Parallelism, g: "_Grid", d: ShardDims, W: dict[str, float],
+               L: "_Layers", n_dense: int, n_moe: int, has_embed: bool, has_lm: bool,
+               count: int) -> StageWork:
+        """One pipeline stage kind: its layers' components, collectives, weights and KV."""
+        F, Y = L.flops, L.hbm_bytes
+        nl = n_dense + n_moe
+        cf = [nl * F["attn"], n_dense * F["mlp"]]
+        cb = [nl * Y["attn"], n_dense * Y["mlp"]]
+        xb = nl * L.xla_bytes["attn"] + n_dense * L.xla_bytes["mlp"]
+        if n_moe:
+            cf += [n_moe * F["moe_tok"], n_moe * F["experts"]]
+            cb += [n_moe * Y["moe_tok"], n_moe * Y["experts"]]
+            xb = xb + n_moe * L.xla_bytes["moe"]
+        if has_lm:
+            cf.append(F["lm_head"])
+            cb.append(Y["lm_head"])
+            xb = xb + L.xla_bytes["lm_head"]
+        weights = stage_weights(W, d, n_dense, n_moe, has_embed, has_lm)
+        kv = nl * g.seqs_chip * g.S * L.kv_elems * B2
+        return StageWork(count, cf, cb, self._stage_collectives(par, g, d, nl, n_moe, has_lm),
+                         float(weights), kv, L.act_peak * g.ones, xb)
+
+    def _stage_collectives(self, par: Parallelism, g: "_Grid", d: ShardDims, nl: int,
+                           n_moe: int, has_lm: bool) -> list[tuple[str, int, np.ndarray]]:
+        """(kind, calls, message bytes) of a stage of ``nl`` layers, ``n_moe`` of them MoE."""
+        H, ones = d.hidden, g.ones
+        coll: list[tuple[str, int, np.ndarray]] = []
+        if n_moe and par.ep > 1:
+            disp = g.t_attn * d.top_k * H * B2 * (par.ep - 1) / par.ep * ones
+            coll.append(("a2a", 2 * n_moe, disp))
+        if has_lm and par.tp > 1:
+            coll.append(("ag", 1, g.t_lm * self.arch.vocab * B2 * ones))
+        if par.tp > 1:
+            coll.append(("ar", 2 * nl, g.t_attn * H * B2 * ones))
+        if par.pp > 1 and not has_lm:
+            coll.append(("p2p", 1, g.t_attn * H * B2 * ones))
+        return coll
+
+
+@dataclass
+class _Grid:
+    """The (B, S) grid of one split and phase, with the per-chip counts derived from it."""
+    prefill: bool
+    B: np.ndarray          # batch [nB, 1]
+    S: np.ndarray          # sequence length [1, nS]
+    m: np.ndarray          # micro-batches [nB, 1]
+    b_mb: np.ndarray       # sequences per micro-batch
+    b_loc: np.ndarray      # sequences per micro-batch on one EP group's chip
+    seqs_chip: np.ndarray  # sequences whose KV one chip holds
+    q_tok: Any             # new tokens per sequence: S (prefill) or 1
+    t_attn: np.ndarray     # tokens through this chip's attention
+    n_pass: Any            # forward passes per step (weights re-read once each)
+    t_act: np.ndarray      # tokens live in one pass
+    t_lm: np.ndarray       # tokens through the LM head
+    ones: np.ndarray       # [1, nS] broadcaster
+
+    @classmethod
+    def of(cls, par: Parallelism, phase: str, B: np.ndarray, S: np.ndarray) -> "_Grid":
         Bf = B.astype(np.float64).reshape(-1, 1)
         Sf = S.astype(np.float64).reshape(1, -1)
         m = np.minimum(Bf, par.pp)
@@ -313,106 +287,24 @@ class CostModel:
         seqs_chip = np.ceil(inflight / par.ep)
         prefill = phase == "prefill"
         q_tok = Sf if prefill else 1.0
-        t_attn = b_loc * q_tok                          # tokens through this chip's attention
-        ones = np.ones_like(Sf)
+        t_attn = b_loc * q_tok
         # weights are streamed once per forward pass: once per prefill chunk
         n_pass = np.ceil(t_attn / PREFILL_CHUNK_TOKENS) if prefill else 1.0
-        t_act = np.minimum(t_attn, PREFILL_CHUNK_TOKENS)  # tokens live in one pass
+        t_act = np.minimum(t_attn, PREFILL_CHUNK_TOKENS)
+        return cls(prefill, Bf, Sf, m, b_mb, b_loc, seqs_chip, q_tok, t_attn, n_pass, t_act,
+                   b_loc, np.ones_like(Sf))
 
-        # attention
-        attn_name = "attn_prefill" if prefill else "attn_decode"
-        fa = self._fit(attn_name, par)
-        fl_attn = fa.flops_at(b_loc, Sf)
-        xb_attn = fa.xla_bytes_at(b_loc, Sf)
-        if prefill:  # causal block skipping on the S^2 terms
-            s2 = fa.flops[0] * b_loc * Sf ** 2 + fa.flops[3] * Sf ** 2
-            fl_attn = fl_attn - s2 * (1 - causal_fraction(Sf))
-        if d.is_mla:
-            qk = d.nope + d.rope
-            act = t_attn * (3 * H + 2 * d.q_lora + 2 * d.heads * qk + 2 * (d.kv_lora + d.rope)
-                            + 2 * d.heads * d.v_dim + (d.kv_lora + d.rope))
-            if prefill:
-                act = act + t_attn * 2 * d.heads * (d.nope + d.v_dim)
-                kv_read = np.ceil(Sf / FLASH_Q_BLOCK) * b_loc * Sf * d.heads * (qk + d.v_dim)
-            else:
-                kv_read = b_loc * Sf * (d.kv_lora + d.rope)
-            kv_elems = d.kv_lora + d.rope
-        else:
-            hd = d.head_dim
-            act = t_attn * (3 * H + (d.heads + 2 * d.kv_heads) * hd + 3 * d.heads * hd
-                            + 2 * d.kv_heads * hd)
-            reread = np.ceil(Sf / FLASH_Q_BLOCK) if prefill else 1.0
-            kv_read = reread * b_loc * Sf * 2 * d.kv_heads * hd
-            kv_elems = 2 * d.kv_heads * hd
-        by_attn = W["attn"] * n_pass + (act + kv_read) * B2
 
-        # dense MLP
-        fm = self._fit("mlp", par)
-        fl_mlp = fm.flops_at(t_attn) * ones
-        by_mlp = W["mlp"] * n_pass + t_attn * (3 * H + 2 * d.inter) * B2 * ones
-        xb_mlp = fm.xla_bytes_at(t_attn) * ones
-
-        # LM head (last token of each sequence in prefill, every token in decode)
-        fl_ = self._fit("lm_head", par)
-        t_lm = b_loc
-        fl_lm = fl_.flops_at(t_lm) * ones
-        by_lm = W["lm_head"] + t_lm * (H * B2 + d.vocab * 4) * ones
-        xb_lm = fl_.xla_bytes_at(t_lm) * ones
-
-        if a.is_moe:
-            ft = self._fit("moe_tok", par)
-            fe = self._fit("experts", par)
-            fl_tok = ft.flops_at(t_attn) * ones
-            by_tok = W["moe_tok"] * n_pass + t_attn * (5 * H + 4 * d.n_experts_total + 2 * d.shared_inter) \
-                * B2 * ones
-            routed = b_mb * q_tok * d.top_k                # expert assignments in the stage
-            c = routed / d.n_experts_total                 # tokens per expert (mean)
-            fl_exp = fe.flops_at(c) * ones
-            p_active = 1.0 - np.power(1.0 - d.top_k / d.n_experts_total, b_mb * q_tok)
-            by_exp = (d.experts * p_active * W["expert"] * n_pass
-                      + d.experts * c * (2 * H + 2 * d.moe_inter) * B2) * ones
-            xb_moe = (ft.xla_bytes_at(t_attn) + fe.xla_bytes_at(c)) * ones
-            moe_act = d.experts * c * t_act / t_attn * (2 * H + 2 * d.moe_inter) * B2
-        else:
-            moe_act = 0.0
-
-        if d.is_mla:
-            attn_width = d.heads * (2 * (d.nope + d.rope) + d.nope + d.v_dim)
-        else:
-            attn_width = (d.heads + 2 * d.kv_heads) * d.head_dim
-        act_peak = t_act * (4 * H + 2 * max(attn_width, 2 * d.inter, 2 * d.shared_inter)) * B2 \
-            + t_lm * d.vocab * 4 + moe_act
-        stages = []
-        for n_dense, n_moe, has_embed, has_lm, count in stage_layout(a, par.pp):
-            nl = n_dense + n_moe
-            cf = [nl * fl_attn, n_dense * fl_mlp]
-            cb = [nl * by_attn, n_dense * by_mlp]
-            xb = nl * xb_attn + n_dense * xb_mlp
-            weights = _stage_weights(W, d, n_dense, n_moe, has_embed, has_lm)
-            coll: list[tuple[str, int, np.ndarray]] = []
-            if n_moe:
-                cf += [n_moe * fl_tok, n_moe * fl_exp]
-                cb += [n_moe * by_tok, n_moe * by_exp]
-                xb = xb + n_moe * xb_moe
-                if par.ep > 1:
-                    disp = t_attn * d.top_k * H * B2 * (par.ep - 1) / par.ep * ones
-                    coll.append(("a2a", 2 * n_moe, disp))
-            if has_lm:
-                cf.append(fl_lm)
-                cb.append(by_lm)
-                xb = xb + xb_lm
-                if par.tp > 1:
-                    coll.append(("ag", 1, t_lm * a.vocab * B2 * ones))
-            if par.tp > 1:
-                coll.append(("ar", 2 * nl, t_attn * H * B2 * ones))
-            if par.pp > 1 and not has_lm:
-                coll.append(("p2p", 1, t_attn * H * B2 * ones))
-            kv = nl * seqs_chip * Sf * kv_elems * B2
-            stages.append(StageWork(count, cf, cb, coll, float(weights), kv,
-                                    act_peak * ones, xb))
-        w = Work(par, phase, Bf, Sf, m, stages)
-        self._work_cache[key] = w
-        return w
+@dataclass
+class _Layers:
+    """Per chip, per layer and micro-batch step: each component's FLOPs, fused HBM bytes and
+    XLA's unfused bytes (``attn``, ``mlp``, ``lm_head``; MoE: ``moe_tok``, ``experts``, XLA
+    bytes of both as ``moe``), KV elements per token, and the activation peak."""
+    flops: dict[str, np.ndarray]
+    hbm_bytes: dict[str, np.ndarray]
+    xla_bytes: dict[str, np.ndarray]
+    kv_elems: float
+    act_peak: Any
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,19 +396,6 @@ def on_chip(work: Work, chip: ChipSpec) -> OnChip:
     return OnChip(work, chip, stages, mem, weights, feasible, reason)
 
 
-def collectives(topo: ICITopology, chip: ChipSpec, par: Parallelism) -> dict[str, Collective]:
-    gd = group_dims(topo, chip, par)
-    return {"ar": allreduce_cost(gd["tp"], chip), "ag": allgather_cost(gd["tp"], chip),
-            "a2a": alltoall_cost(gd["ep"], chip), "p2p": p2p_cost(chip)}
-
-
-def _stack_collectives(colls: list[dict[str, Collective]]) -> dict[str, Collective]:
-    """Many topologies' tables as one table of [T, 1, 1] coefficient arrays."""
-    return {k: Collective(*(np.array([getattr(c[k], a) for c in colls]).reshape(-1, 1, 1)
-                            for a in ("alpha_s", "beta_s_per_byte", "gamma")))
-            for k in colls[0]}
-
-
 def _ici(st: StageOnChip, colls):
     t = b = 0.0
     for kind, n in st.coll_n.items():
@@ -568,7 +447,7 @@ def _schedule(oc: OnChip, t_stage, dyn_total, t_sum):
         latency = cycle
         tokens = w.B * np.ones_like(w.S)
     energy = dyn_total * m + chip.static_power_w * par.chips * cycle
-    cost = par.chips * chip.price_usd_per_chip_hour / 3600.0 * cycle
+    cost = chip.vpod_usd(par.chips, cycle)
     return latency, cycle, tokens, energy, cost
 
 
@@ -576,7 +455,7 @@ def latency_efficiency(oc: OnChip, colls, metric: str):
     """Fast path for the DSE sweep: (latency_s, tokens per J or per USD); ``colls`` may be a
     list of topologies' collective tables (results then have a leading topology axis)."""
     if isinstance(colls, list):
-        colls = _stack_collectives(colls)
+        colls = stack_collectives(colls)
     t_stage, _, _, dyn, t_sum = _timing(oc, colls)
     latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn, t_sum)
     return latency, tokens / (energy if metric == "energy" else cost)
@@ -618,7 +497,11 @@ def infeasible_message(r: "Roofline | OnChip", chip: ChipSpec, i: Any = ()) -> s
             f"{usable / 1e9:.2f} GB usable ({HBM_USABLE_FRACTION:.0%} of {chip.hbm_bytes / 1e9:g} GB)")
 
 
-__all__ = ["Parallelism", "CostModel", "Roofline", "roofline", "on_chip", "OnChip",
-           "collectives", "latency_efficiency", "enumerate_parallelisms",
-           "validate_parallelism", "group_dims", "stage_layout", "PHASES", "METRICS", "REASONS",
-           "BOUNDS", "infeasible_message", "HBM_USABLE_FRACTION"]
+__all__ = ["CostModel", "Roofline", "roofline", "on_chip", "OnChip", "latency_efficiency",
+           "PHASES", "METRICS", "REASONS", "BOUNDS", "infeasible_message",
+           "HBM_USABLE_FRACTION", "MODEL_VERSION",
+           # re-exported from dse.parallel and dse.torus
+           "Parallelism", "validate_parallelism", "enumerate_parallelisms", "stage_layout",
+           "weight_bytes", "stage_weights", "max_weights_bytes", "group_dims", "Collective",
+           "allreduce_cost", "allgather_cost", "alltoall_cost", "p2p_cost", "collectives",
+           "stack_collectives"]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .catalog import ChipSpec, chip_from_mapping
 from .errors import NeuScaleError
 
 if TYPE_CHECKING:
@@ -85,21 +86,17 @@ def _no_data(ax: Axes, text: str) -> None:
 
 
 # ---- 1. rooflines (Fig. 8) -----------------------------------------------------------------
-def _metric_roofline(spec: dict[str, Any], metric: str, intensity: np.ndarray) -> np.ndarray:
+def _metric_roofline(chip: ChipSpec, metric: str, intensity: np.ndarray) -> np.ndarray:
     """FLOP/J or FLOP/USD of a kernel of arithmetic intensity ``intensity`` on this chip."""
-    peak, bw = float(spec["peak_flops_per_s"]), float(spec["hbm_bw_bytes_per_s"])
-    seconds_per_byte = np.maximum(intensity / peak, 1.0 / bw)
+    seconds_per_byte = np.maximum(intensity / chip.peak_flops_per_s, 1.0 / chip.hbm_bw_bytes_per_s)
     if metric == "cost":
-        return intensity / (float(spec["price_usd_per_chip_hour"]) / 3600.0 * seconds_per_byte)
-    static = float(spec["static_power_w"])
-    e_flop = 1.0 / float(spec["max_flop_per_j"]) - static / peak
-    e_byte = 1.0 / float(spec["max_hbm_bytes_per_j"]) - static / bw
-    return intensity / (intensity * e_flop + e_byte + static * seconds_per_byte)
+        return intensity / chip.vpod_usd(1, seconds_per_byte)
+    return intensity / (intensity * chip.e_flop_j + chip.e_hbm_j_per_byte
+                        + chip.static_power_w * seconds_per_byte)
 
 
-def _perf_roofline(spec: dict[str, Any], intensity: np.ndarray) -> np.ndarray:
-    return np.minimum(float(spec["peak_flops_per_s"]),
-                      intensity * float(spec["hbm_bw_bytes_per_s"]))
+def _perf_roofline(chip: ChipSpec, intensity: np.ndarray) -> np.ndarray:
+    return np.minimum(chip.peak_flops_per_s, intensity * chip.hbm_bw_bytes_per_s)
 
 
 def _plot_roofline(plt: Any, db: BestFitDB, metric: str, colors: dict[str, Any],
@@ -107,7 +104,8 @@ def _plot_roofline(plt: Any, db: BestFitDB, metric: str, colors: dict[str, Any],
     from matplotlib.transforms import blended_transform_factory
 
     catalog = {str(s["name"]): s for s in db.meta.get("catalog", [])}
-    specs = [(c, catalog[c]) for c in db.chips if c in catalog]
+    specs = [(c, chip_from_mapping(catalog[c], origin="database catalog"))
+             for c in db.chips if c in catalog]
     intensity = np.logspace(np.log10(_I_MIN), np.log10(_I_MAX), 400)
     fig, (ax_m, ax_p) = plt.subplots(1, 2, figsize=(13, 5.2))
     panels = ((ax_m, f"{metric} roofline", _METRIC_AXIS[metric],
@@ -118,7 +116,7 @@ def _plot_roofline(plt: Any, db: BestFitDB, metric: str, colors: dict[str, Any],
         for k, (chip, spec) in enumerate(specs):
             color = colors[chip]
             ax.plot(intensity, curve(spec, intensity), color=color, lw=2, label=chip)
-            ridge = float(spec["peak_flops_per_s"]) / float(spec["hbm_bw_bytes_per_s"])
+            ridge = spec.peak_flops_per_s / spec.hbm_bw_bytes_per_s
             ax.axvline(ridge, color=color, ls=":", lw=1.2)
             ax.plot([ridge], curve(spec, np.array([ridge])), "o", color=color, ms=6)
             ax.text(ridge * 1.06, 0.04 + 0.07 * k, f"{chip} ridge\nI={ridge:.0f}",

@@ -14,8 +14,12 @@ We use the *lowered* (pre-optimisation) module: it counts bf16 work as written, 
 compiler upcasts bf16 and fuses for a CPU, neither of which a TPU does. The counts are integer
 polynomials in the size variables (reported as float32), so a few lowered points determine the
 polynomial; held-out points check it (max relative error is recorded) and the matmul-only analytic count is
-compared too. Coefficients are cached on disk keyed by model fingerprint + shard + JAX version,
-so a rebuild lowers nothing.
+compared too. Coefficients are cached on disk keyed by everything that decides them: the model
+fingerprint, the shard, the JAX and jaxlib versions and the graph version (a hash of this
+module's source: graphs, fit points, bases), so a rebuild lowers nothing and a changed graph
+never reuses old counts. A cached fit is re-checked cheaply when read (finite, non-negative, and
+as close to the matmul-only hand count as when it was made); a damaged one is lowered again.
+Two overlapping builds merge their fits into the file (under a lock) instead of overwriting.
 
 XLA's "bytes accessed" is recorded as well (an unfused upper bound used as a cross-check); the
 HBM traffic the roofline uses comes from the fused-op model in :mod:`dse.costmodel`.
@@ -28,9 +32,12 @@ they are costed analytically from the torus (cost_analysis has no communication 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import math
 import os
-import tempfile
+import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -38,7 +45,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from .cache import cache_path, locked, say_once
 from .errors import NeuScaleError
+from .files import MiB, read_text, write_atomic
 from .models import ModelArch
 
 COMPONENT_VARS: dict[str, tuple[str, ...]] = {
@@ -85,12 +94,27 @@ HELDOUT_POINTS: dict[str, tuple[tuple[int, ...], ...]] = {
 FORMAT_VERSION = 4
 
 
-def jax_version() -> str:
-    """Installed JAX version without importing JAX (keeps warm builds fast)."""
+def _pkg_version(name: str) -> str:
     try:
-        return metadata.version("jax")
+        return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "none"
+
+
+def jax_version() -> str:
+    """Installed JAX version without importing JAX (keeps warm builds fast)."""
+    return _pkg_version("jax")
+
+
+@functools.lru_cache(maxsize=None)
+def graph_version() -> str:
+    """Hash of what decides the fitted numbers besides the model: this module's source (the
+    graphs, fit and held-out points, bases, the hand count), :data:`FORMAT_VERSION`, the JAX
+    and jaxlib versions (XLA's cost analysis is jaxlib's) and the platform lowered for."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update(f"|{FORMAT_VERSION}|{jax_version()}|{_pkg_version('jaxlib')}"
+             f"|{os.environ.get('JAX_PLATFORMS', 'cpu')}".encode())
+    return h.hexdigest()[:12]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,133 +233,194 @@ def _jax():
     return jax, jnp
 
 
-def _graph(d: ShardDims, component: str, v: Sequence[int]) -> tuple[Callable, list]:
-    """The JAX function and argument shapes of one component at sizes ``v``."""
-    jax, jnp = _jax()
-    bf, f32 = jnp.bfloat16, jnp.float32
-    S = lambda *shape, dt=bf: jax.ShapeDtypeStruct(tuple(int(x) for x in shape), dt)  # noqa: E731
-    H = d.hidden
+class _Ops:
+    """The JAX building blocks the component graphs share (bf16 activations, fp32 reductions)."""
 
-    def rms(x, w):
+    def __init__(self):
+        self.jax, self.jnp = jax, jnp = _jax()
+        self.bf, self.f32 = jnp.bfloat16, jnp.float32
+
+    def shape(self, *shape, dt=None):
+        """An argument of the given shape, bf16 unless ``dt`` says otherwise."""
+        return self.jax.ShapeDtypeStruct(tuple(int(x) for x in shape),
+                                         self.bf if dt is None else dt)
+
+    def rms(self, x, w):
+        jax, jnp, f32 = self.jax, self.jnp, self.f32
         xf = x.astype(f32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)
-        return (y * w.astype(f32)).astype(bf)
+        return (y * w.astype(f32)).astype(self.bf)
 
-    def rope(x, cos, sin):  # x [..., s, n, r]; cos/sin [s, r/2]
+    def rope(self, x, cos, sin):  # x [..., s, n, r]; cos/sin [s, r/2]
+        jnp, bf = self.jnp, self.bf
         x1, x2 = jnp.split(x, 2, axis=-1)
         c = cos[:, None, :].astype(bf)
         s_ = sin[:, None, :].astype(bf)
         return jnp.concatenate([x1 * c - x2 * s_, x2 * c + x1 * s_], axis=-1)
 
-    def softmax(x):
-        x = x.astype(f32)
+    def softmax(self, x):
+        jnp = self.jnp
+        x = x.astype(self.f32)
         m = jnp.max(x, axis=-1, keepdims=True)
         e = jnp.exp(x - m)
-        return (e / jnp.sum(e, axis=-1, keepdims=True)).astype(bf)
+        return (e / jnp.sum(e, axis=-1, keepdims=True)).astype(self.bf)
 
-    def swiglu(h, wg, wu, wd):
-        return jnp.einsum("...i,ih->...h", jax.nn.silu(h @ wg) * (h @ wu), wd)
+    def swiglu(self, h, wg, wu, wd):
+        return self.jnp.einsum("...i,ih->...h", self.jax.nn.silu(h @ wg) * (h @ wu), wd)
 
-    if component in ("attn_prefill", "attn_decode"):
+
+def _mla_attention(o: _Ops, d: ShardDims, prefill: bool, b: int, s: int, L: int
+                   ) -> tuple[Callable, list]:
+    """DeepSeek MLA: compressed latent + RoPE key; decode attends in the latent space
+    (absorbed projections)."""
+    jnp, S, f32 = o.jnp, o.shape, o.f32
+    H, qk = d.hidden, d.nope + d.rope
+
+    def f(x, nw, wqa, qn, wqb, wkva, kvn, wkvb, wo, cos, sin, *cache):
+        h = o.rms(x, nw)                                      # [b,s,H]
+        q = jnp.einsum("bsr,rnd->bsnd", o.rms(h @ wqa, qn), wqb)
+        q_nope, q_pe = q[..., :d.nope], q[..., d.nope:]
+        q_pe = o.rope(q_pe, cos[:s], sin[:s])
+        ckv = h @ wkva                                        # [b,s,kv_lora+rope]
+        c = o.rms(ckv[..., :d.kv_lora], kvn)
+        k_pe = o.rope(ckv[..., None, d.kv_lora:], cos[:s], sin[:s])[..., 0, :]
+        if prefill:
+            kv = jnp.einsum("bsc,cnd->bsnd", c, wkvb)
+            k_nope, val = kv[..., :d.nope], kv[..., d.nope:]
+            sc = (jnp.einsum("bsnd,btnd->bnst", q_nope, k_nope)
+                  + jnp.einsum("bsnr,btr->bnst", q_pe, k_pe)) * (qk ** -0.5)
+            mask = jnp.tril(jnp.ones((s, s), bool))
+            p = o.softmax(jnp.where(mask, sc, -1e30))
+            out = jnp.einsum("bnst,btnd->bsnd", p, val)
+        else:
+            c_cache, pe_cache = cache                         # [b,L,kv_lora], [b,L,rope]
+            w_uk, w_uv = wkvb[..., :d.nope], wkvb[..., d.nope:]
+            q_lat = jnp.einsum("bsnd,cnd->bsnc", q_nope, w_uk)
+            sc = (jnp.einsum("bsnc,blc->bnsl", q_lat, c_cache)
+                  + jnp.einsum("bsnr,blr->bnsl", q_pe, pe_cache)) * (qk ** -0.5)
+            p = o.softmax(sc)
+            o_lat = jnp.einsum("bnsl,blc->bsnc", p, c_cache)
+            out = jnp.einsum("bsnc,cnd->bsnd", o_lat, w_uv)
+        # the new tokens' latent and rope key are outputs: they go to the cache
+        return jnp.einsum("bsnd,ndh->bsh", out, wo) + x, c, k_pe
+
+    args = [S(b, s, H), S(H), S(H, d.q_lora), S(d.q_lora), S(d.q_lora, d.heads, qk),
+            S(H, d.kv_lora + d.rope), S(d.kv_lora),
+            S(d.kv_lora, d.heads, d.nope + d.v_dim), S(d.heads, d.v_dim, H),
+            S(max(s, 1), d.rope // 2, dt=f32), S(max(s, 1), d.rope // 2, dt=f32)]
+    if not prefill:
+        args += [S(b, L, d.kv_lora), S(b, L, d.rope)]
+    return f, args
+
+
+def _gqa_attention(o: _Ops, d: ShardDims, prefill: bool, b: int, s: int, L: int
+                   ) -> tuple[Callable, list]:
+    """Grouped-query attention over the chip's query and KV heads."""
+    jnp, S, f32 = o.jnp, o.shape, o.f32
+    H, hd, nq, nkv = d.hidden, d.head_dim, d.heads, d.kv_heads
+    g = max(1, nq // nkv)
+
+    def f(x, nw, wq, wk, wv, wo, cos, sin, *cache):
+        h = o.rms(x, nw)
+        q = o.rope(jnp.einsum("bsh,hnd->bsnd", h, wq), cos, sin)
+        k = o.rope(jnp.einsum("bsh,hkd->bskd", h, wk), cos, sin)
+        val = jnp.einsum("bsh,hkd->bskd", h, wv)
+        q = q.reshape(b, s, nkv, g, hd)
+        if prefill:
+            sc = jnp.einsum("bskgd,btkd->bkgst", q, k) * (hd ** -0.5)
+            mask = jnp.tril(jnp.ones((s, s), bool))
+            p = o.softmax(jnp.where(mask, sc, -1e30))
+            out = jnp.einsum("bkgst,btkd->bskgd", p, val)
+        else:
+            k_cache, v_cache = cache
+            sc = jnp.einsum("bskgd,btkd->bkgst", q, k_cache) * (hd ** -0.5)
+            p = o.softmax(sc)
+            out = jnp.einsum("bkgst,btkd->bskgd", p, v_cache)
+        out = out.reshape(b, s, nkv * g, hd)
+        # new K/V are outputs (they are written to the cache)
+        return jnp.einsum("bsnd,ndh->bsh", out, wo) + x, k, val
+
+    args = [S(b, s, H), S(H), S(H, nq, hd), S(H, nkv, hd), S(H, nkv, hd), S(nq, hd, H),
+            S(s, hd // 2, dt=f32), S(s, hd // 2, dt=f32)]
+    if not prefill:
+        args += [S(b, L, nkv, hd), S(b, L, nkv, hd)]
+    return f, args
+
+
+def _attention_graph(prefill: bool):
+    """attn_prefill(b, s): causal self-attention of b prompts of s tokens; attn_decode(b, l):
+    b sequences, one new token each, over a KV cache of length l."""
+    def build(o: _Ops, d: ShardDims, v: Sequence[int]) -> tuple[Callable, list]:
         b, n = v
-        prefill = component == "attn_prefill"
-        s = n if prefill else 1
-        L = n
-        if d.is_mla:
-            qk = d.nope + d.rope
+        attn = _mla_attention if d.is_mla else _gqa_attention
+        return attn(o, d, prefill, b, n if prefill else 1, n)
+    return build
 
-            def f(x, nw, wqa, qn, wqb, wkva, kvn, wkvb, wo, cos, sin, *cache):
-                h = rms(x, nw)                                        # [b,s,H]
-                q = jnp.einsum("bsr,rnd->bsnd", rms(h @ wqa, qn), wqb)
-                q_nope, q_pe = q[..., :d.nope], q[..., d.nope:]
-                q_pe = rope(q_pe, cos[:s], sin[:s])
-                ckv = h @ wkva                                        # [b,s,kv_lora+rope]
-                c = rms(ckv[..., :d.kv_lora], kvn)
-                k_pe = rope(ckv[..., None, d.kv_lora:], cos[:s], sin[:s])[..., 0, :]
-                if prefill:
-                    kv = jnp.einsum("bsc,cnd->bsnd", c, wkvb)
-                    k_nope, val = kv[..., :d.nope], kv[..., d.nope:]
-                    sc = (jnp.einsum("bsnd,btnd->bnst", q_nope, k_nope)
-                          + jnp.einsum("bsnr,btr->bnst", q_pe, k_pe)) * (qk ** -0.5)
-                    mask = jnp.tril(jnp.ones((s, s), bool))
-                    p = softmax(jnp.where(mask, sc, -1e30))
-                    o = jnp.einsum("bnst,btnd->bsnd", p, val)
-                else:
-                    c_cache, pe_cache = cache                         # [b,L,kv_lora], [b,L,rope]
-                    w_uk, w_uv = wkvb[..., :d.nope], wkvb[..., d.nope:]
-                    q_lat = jnp.einsum("bsnd,cnd->bsnc", q_nope, w_uk)
-                    sc = (jnp.einsum("bsnc,blc->bnsl", q_lat, c_cache)
-                          + jnp.einsum("bsnr,blr->bnsl", q_pe, pe_cache)) * (qk ** -0.5)
-                    p = softmax(sc)
-                    o_lat = jnp.einsum("bnsl,blc->bsnc", p, c_cache)
-                    o = jnp.einsum("bsnc,cnd->bsnd", o_lat, w_uv)
-                # the new tokens' latent and rope key are outputs: they go to the cache
-                return jnp.einsum("bsnd,ndh->bsh", o, wo) + x, c, k_pe
 
-            args = [S(b, s, H), S(H), S(H, d.q_lora), S(d.q_lora), S(d.q_lora, d.heads, qk),
-                    S(H, d.kv_lora + d.rope), S(d.kv_lora),
-                    S(d.kv_lora, d.heads, d.nope + d.v_dim), S(d.heads, d.v_dim, H),
-                    S(max(s, 1), d.rope // 2, dt=f32), S(max(s, 1), d.rope // 2, dt=f32)]
-            if not prefill:
-                args += [S(b, L, d.kv_lora), S(b, L, d.rope)]
-            return f, args
+def _mlp_graph(o: _Ops, d: ShardDims, v: Sequence[int]) -> tuple[Callable, list]:
+    (t,), S, H = v, o.shape, d.hidden
 
-        hd, nq, nkv = d.head_dim, d.heads, d.kv_heads
-        g = max(1, nq // nkv)
+    def f(x, nw, wg, wu, wd):
+        return o.swiglu(o.rms(x, nw), wg, wu, wd) + x
+    return f, [S(t, H), S(H), S(H, d.inter), S(H, d.inter), S(d.inter, H)]
 
-        def f(x, nw, wq, wk, wv, wo, cos, sin, *cache):
-            h = rms(x, nw)
-            q = rope(jnp.einsum("bsh,hnd->bsnd", h, wq), cos, sin)
-            k = rope(jnp.einsum("bsh,hkd->bskd", h, wk), cos, sin)
-            val = jnp.einsum("bsh,hkd->bskd", h, wv)
-            q = q.reshape(b, s, nkv, g, hd)
-            if prefill:
-                sc = jnp.einsum("bskgd,btkd->bkgst", q, k) * (hd ** -0.5)
-                mask = jnp.tril(jnp.ones((s, s), bool))
-                p = softmax(jnp.where(mask, sc, -1e30))
-                o = jnp.einsum("bkgst,btkd->bskgd", p, val)
-            else:
-                k_cache, v_cache = cache
-                sc = jnp.einsum("bskgd,btkd->bkgst", q, k_cache) * (hd ** -0.5)
-                p = softmax(sc)
-                o = jnp.einsum("bkgst,btkd->bskgd", p, v_cache)
-            o = o.reshape(b, s, nkv * g, hd)
-            # new K/V are outputs (they are written to the cache)
-            return jnp.einsum("bsnd,ndh->bsh", o, wo) + x, k, val
 
-        args = [S(b, s, H), S(H), S(H, nq, hd), S(H, nkv, hd), S(H, nkv, hd), S(nq, hd, H),
-                S(s, hd // 2, dt=f32), S(s, hd // 2, dt=f32)]
-        if not prefill:
-            args += [S(b, L, nkv, hd), S(b, L, nkv, hd)]
-        return f, args
+def _moe_tok_graph(o: _Ops, d: ShardDims, v: Sequence[int]) -> tuple[Callable, list]:
+    """Router (fp32, sigmoid scores, top-k) and the shared expert."""
+    (t,), S, H = v, o.shape, d.hidden
+    jax, jnp, f32 = o.jax, o.jnp, o.f32
 
-    (x_,) = v
-    if component == "mlp":
-        def f(x, nw, wg, wu, wd):
-            return swiglu(rms(x, nw), wg, wu, wd) + x
-        return f, [S(x_, H), S(H), S(H, d.inter), S(H, d.inter), S(d.inter, H)]
-    if component == "moe_tok":
-        def f(x, nw, wr, wg, wu, wd):
-            h = rms(x, nw)
-            scores = jax.nn.sigmoid((h.astype(f32) @ wr))
-            w, idx = jax.lax.top_k(scores, d.top_k)
-            w = w / jnp.sum(w, axis=-1, keepdims=True)
-            return swiglu(h, wg, wu, wd) + x, w, idx
-        return f, [S(x_, H), S(H), S(H, d.n_experts_total, dt=f32), S(H, d.shared_inter),
-                   S(H, d.shared_inter), S(d.shared_inter, H)]
-    if component == "experts":
-        def f(x, gate_w, wg, wu, wd):
-            hg = jnp.einsum("ech,ehi->eci", x, wg)
-            hu = jnp.einsum("ech,ehi->eci", x, wu)
-            y = jnp.einsum("eci,eih->ech", jax.nn.silu(hg) * hu, wd)
-            return y * gate_w[..., None]
-        E, I = d.experts, d.moe_inter
-        return f, [S(E, x_, H), S(E, x_), S(E, H, I), S(E, H, I), S(E, I, H)]
-    if component == "lm_head":
-        def f(x, nw, w):
-            return (rms(x, nw) @ w).astype(f32)
-        return f, [S(x_, H), S(H), S(H, d.vocab)]
-    raise KeyError(component)
+    def f(x, nw, wr, wg, wu, wd):
+        h = o.rms(x, nw)
+        scores = jax.nn.sigmoid((h.astype(f32) @ wr))
+        w, idx = jax.lax.top_k(scores, d.top_k)
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+        return o.swiglu(h, wg, wu, wd) + x, w, idx
+    return f, [S(t, H), S(H), S(H, d.n_experts_total, dt=f32), S(H, d.shared_inter),
+               S(H, d.shared_inter), S(d.shared_inter, H)]
+
+
+def _experts_graph(o: _Ops, d: ShardDims, v: Sequence[int]) -> tuple[Callable, list]:
+    """The chip's routed experts as one dense einsum over the [E_local, c, H] buffer."""
+    (c,), S, H = v, o.shape, d.hidden
+    jax, jnp = o.jax, o.jnp
+
+    def f(x, gate_w, wg, wu, wd):
+        hg = jnp.einsum("ech,ehi->eci", x, wg)
+        hu = jnp.einsum("ech,ehi->eci", x, wu)
+        y = jnp.einsum("eci,eih->ech", jax.nn.silu(hg) * hu, wd)
+        return y * gate_w[..., None]
+    E, I = d.experts, d.moe_inter
+    return f, [S(E, c, H), S(E, c), S(E, H, I), S(E, H, I), S(E, I, H)]
+
+
+def _lm_head_graph(o: _Ops, d: ShardDims, v: Sequence[int]) -> tuple[Callable, list]:
+    (t,), S, H = v, o.shape, d.hidden
+
+    def f(x, nw, w):
+        return (o.rms(x, nw) @ w).astype(o.f32)
+    return f, [S(t, H), S(H), S(H, d.vocab)]
+
+
+# one graph builder per component (the keys of COMPONENT_VARS)
+_GRAPHS: dict[str, Callable[[_Ops, ShardDims, Sequence[int]], tuple[Callable, list]]] = {
+    "attn_prefill": _attention_graph(prefill=True),
+    "attn_decode": _attention_graph(prefill=False),
+    "mlp": _mlp_graph,
+    "moe_tok": _moe_tok_graph,
+    "experts": _experts_graph,
+    "lm_head": _lm_head_graph,
+}
+
+
+def _graph(d: ShardDims, component: str, v: Sequence[int]) -> tuple[Callable, list]:
+    """The JAX function and argument shapes of one component at sizes ``v``."""
+    o = _Ops()
+    try:
+        build = _GRAPHS[component]
+    except KeyError:
+        raise KeyError(component) from None
+    return build(o, d, v)
 
 
 def lowered_cost(d: ShardDims, component: str, v: Sequence[int]) -> tuple[float, float]:
@@ -447,30 +532,116 @@ def _extract_task(args: tuple[dict[str, Any], str, int, int]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 def cache_dir() -> Path:
-    env = os.environ.get("NEUSCALE_CACHE_DIR")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) \
-        / "neuscale"
-    return base / "xla-costs"
+    """Directory of the XLA-fit cache (the layout is :mod:`dse.cache`'s)."""
+    return cache_path("xla-costs")
+
+
+MAX_CACHE_BYTES = 64 * MiB
+_KEY_RE = re.compile(r"([a-z_]+)\|tp=([1-9][0-9]{0,5})(?:\|ep=([1-9][0-9]{0,5}))?")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def checked_fit(arch: ModelArch, key: str, j: Any) -> ComponentFit:
+    """The fit stored under ``key`` for ``arch``, after a cheap sanity check; ValueError says
+    what is wrong. Besides the shape and finiteness of every number, the polynomial is
+    re-derived against the matmul-only hand count at the fit points: it must agree as closely
+    as it did when it was made (``analytic_max_rel_diff``, recorded then), which a NaN, a
+    negative count or a coefficient off by x1000 cannot."""
+    if not isinstance(j, dict):
+        raise ValueError("not a JSON object")
+    comp = j.get("component")
+    m = _KEY_RE.fullmatch(key) if isinstance(key, str) else None
+    if comp not in COMPONENT_BASIS or m is None or m[1] != comp:
+        raise ValueError(f"key {key!r} does not name a fit of component {comp!r}")
+    tp, ep = int(m[2]), int(m[3] or 1)
+    if fit_key(comp, tp, ep) != key:
+        raise ValueError(f"malformed key {key!r}")
+    basis = COMPONENT_BASIS[comp]
+    if j.get("basis") != [list(e) for e in basis]:
+        raise ValueError("the polynomial basis differs from this version's")
+    for name in ("flops", "xla_bytes"):
+        c = j.get(name)
+        if not (isinstance(c, list) and len(c) == len(basis) and all(map(_finite, c))):
+            raise ValueError(f"{name} is not a list of {len(basis)} finite numbers")
+    for name in ("heldout_max_rel_err", "analytic_max_rel_diff"):
+        if not (_finite(j.get(name)) and j[name] >= 0):
+            raise ValueError(f"{name} is not a number >= 0")
+    fit = ComponentFit(key, comp, basis, tuple(map(float, j["flops"])),
+                       tuple(map(float, j["xla_bytes"])), float(j["heldout_max_rel_err"]),
+                       float(j["analytic_max_rel_diff"]))
+    d = ShardDims.of(arch, tp, ep)
+    for p in FIT_POINTS[comp]:
+        f, b = fit.flops_at(*p), fit.xla_bytes_at(*p)
+        if not (f >= -1.0 and b >= -1.0):
+            raise ValueError(f"negative count at {p}")
+        rel = abs(f - analytic_matmul_flops(d, comp, p)) / max(f, 1.0)
+        if not rel <= fit.analytic_max_rel_diff + 1e-4:
+            raise ValueError(f"FLOPs at {p} are {rel:.3g} off the matmul hand count (the fit "
+                             f"recorded {fit.analytic_max_rel_diff:.3g})")
+    return fit
+
+
+def _slug(name: str) -> str:
+    """``name`` made safe as part of a file name."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", name)[:64] or "model"
 
 
 class FitCache:
-    """Fits for one model and JAX version, one JSON file, written atomically."""
+    """Fits for one model, JAX version and graph version: one JSON file, written atomically
+    and merged with what another run wrote meanwhile (see the module docstring)."""
 
     def __init__(self, arch: ModelArch, directory: Path | None = None):
         self.arch = arch
         self.jax_version = jax_version()
-        d = directory or cache_dir()
-        self.path = d / (f"{arch.name}-{arch.fingerprint()}-jax{self.jax_version}"
-                         f"-v{FORMAT_VERSION}.json")
-        self.fits: dict[str, ComponentFit] = {}
-        if self.path.exists():
+        self.graph_version = graph_version()
+        d = Path(directory) if directory is not None else cache_dir()
+        self.path = d / (f"{_slug(arch.name)}-{arch.fingerprint()}-jax{self.jax_version}"
+                         f"-v{FORMAT_VERSION}-g{self.graph_version}.json")
+        self._writable = True
+        self.fits: dict[str, ComponentFit] = self._read()
+
+    def _damaged(self, why: str) -> dict[str, ComponentFit]:
+        say_once(f"note: the XLA-fit cache {str(self.path)!r} is damaged ({why}); lowering its "
+                 "fits again", key=f"damaged:{self.path}")
+        return {}
+
+    def _read(self) -> dict[str, ComponentFit]:
+        """The sound fits on disk ({} if there is no file); damaged ones are left out (and
+        reported once): a cache is rebuilt, never trusted."""
+        try:
+            if not os.path.lexists(self.path):
+                return {}
+        except (OSError, ValueError):
+            return {}
+        try:
+            data = json.loads(read_text(self.path, "XLA-fit cache", MAX_CACHE_BYTES))
+        except NeuScaleError as e:
+            return self._damaged(str(e))
+        except (ValueError, RecursionError) as e:
+            return self._damaged(f"not valid JSON: {e}")
+        if not isinstance(data, dict):
+            return self._damaged("not a JSON object")
+        if (data.get("format_version"), data.get("model_fingerprint"),
+                data.get("graph_version")) != (FORMAT_VERSION, self.arch.fingerprint(),
+                                               self.graph_version):
+            return self._damaged("written for another model or graph version")
+        stored = data.get("fits")
+        if not isinstance(stored, dict):
+            return self._damaged("'fits' is not an object")
+        fits, bad = {}, []
+        for k, v in stored.items():
             try:
-                data = json.loads(self.path.read_text())
-                if data.get("format_version") == FORMAT_VERSION and \
-                        data.get("model_fingerprint") == arch.fingerprint():
-                    self.fits = {k: ComponentFit.from_json(k, v) for k, v in data["fits"].items()}
-            except (OSError, ValueError, KeyError):
-                self.fits = {}  # a corrupt cache is rebuilt, never trusted
+                fits[k] = checked_fit(self.arch, k, v)
+            except (ValueError, TypeError, OverflowError, ZeroDivisionError) as e:
+                bad.append(f"{k}: {e}")
+        if bad:
+            say_once(f"note: {len(bad)} fit(s) in the XLA-fit cache {str(self.path)!r} are "
+                     f"damaged (first: {bad[0]}); lowering them again",
+                     key=f"damaged:{self.path}")
+        return fits
 
     def missing(self, keys: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
         """Distinct fits not yet cached (only the experts' shard depends on ep)."""
@@ -478,14 +649,25 @@ class FitCache:
         return sorted(k for k in norm if fit_key(*k) not in self.fits)
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        blob = {"format_version": FORMAT_VERSION, "model": self.arch.name,
-                "model_fingerprint": self.arch.fingerprint(), "jax_version": self.jax_version,
-                "fits": {k: v.to_json() for k, v in sorted(self.fits.items())}}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(blob, fh)
-        os.replace(tmp, self.path)
+        """Write the fits, merged with the sound ones another run wrote since this one read
+        (read-merge-write under the cache directory's lock); ours win on a shared key. The
+        merged-in fits are not added to :attr:`fits` (this run reports its own). A cache that
+        cannot be written is left alone after one warning: the run goes on uncached."""
+        if not self._writable:
+            return
+        try:
+            with locked(self.path.parent):
+                merged = {**self._read(), **self.fits}
+                blob = {"format_version": FORMAT_VERSION, "model": self.arch.name,
+                        "model_fingerprint": self.arch.fingerprint(),
+                        "jax_version": self.jax_version, "graph_version": self.graph_version,
+                        "fits": {k: v.to_json() for k, v in sorted(merged.items())}}
+                write_atomic(self.path, json.dumps(blob), prefix=".tmp-")
+        except OSError as e:
+            self._writable = False
+            say_once(f"warning: cannot write the XLA-fit cache in {str(self.path.parent)!r} "
+                     f"({e.strerror or e}); running uncached (the fits are lowered again next "
+                     "time)", key=f"unwritable:{self.path.parent}")
 
     def fill(self, keys: Iterable[tuple[str, int, int]], workers: int = 1,
              ray_address: str | None = None, progress: Callable[[int], None] | None = None
@@ -578,5 +760,6 @@ def default_workers() -> int:
 
 
 __all__ = ["ShardDims", "ComponentFit", "FitCache", "extract_fit", "lowered_cost",
-           "analytic_matmul_flops", "components_for", "fit_key", "jax_version", "cdiv",
+           "analytic_matmul_flops", "components_for", "fit_key", "jax_version", "graph_version",
+           "checked_fit", "cdiv",
            "default_workers"]

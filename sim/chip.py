@@ -33,11 +33,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dse.catalog import ChipSpec
-from dse.costmodel import (Parallelism, allreduce_cost, alltoall_cost, group_dims,
-                           max_weights_bytes, stage_layout)
+from dse.catalog import Catalog, ChipSpec
 from dse.errors import NeuScaleError
 from dse.models import ModelArch
+from dse.parallel import Parallelism, max_weights_bytes, stage_layout
+from dse.torus import allgather_cost, allreduce_cost, alltoall_cost, group_dims
 from dse.vpod import ICITopology
 from dse.xla_cost import ShardDims
 
@@ -116,9 +116,17 @@ class ChipModel:
         self.d = ShardDims.of(arch, par.tp, par.ep)
         gd = group_dims(topo, chip, par)
         self._ar = allreduce_cost(gd["tp"], chip)
+        self._ag = allgather_cost(gd["tp"], chip)
         self._a2a = alltoall_cost(gd["ep"], chip)
-        self._gd = gd
         self.stages = stage_layout(arch, par.pp)
+
+    @classmethod
+    def of(cls, arch: ModelArch, catalog: Catalog, chip: str, topology: str, tp: int,
+           pp: int = 1, ep: int = 1) -> "ChipModel":
+        """The model of an allocation given by names: ``chip`` is resolved through ``catalog``
+        (aliases accepted), ``topology`` is a pod shape such as ``"2x2x1"``."""
+        spec = catalog.get(chip)
+        return cls(arch, spec, ICITopology.parse(topology).for_chip(spec), Parallelism(tp, pp, ep))
 
     # ---- operator primitives ----------------------------------------------------------------
     def _finish(self, name: str, tc: float, tv: float, hbm: float, **kw: float) -> Op:
@@ -155,7 +163,7 @@ class ChipModel:
                             sram_bytes=2.0 * hbm)
 
     def _collective(self, name: str, c, group: int, msg_bytes: float) -> Op:
-        """A collective with cost coefficients ``c`` (from :mod:`dse.costmodel`) at the
+        """A collective with cost coefficients ``c`` (from :mod:`dse.torus`) at the
         achieved link bandwidth, plus the group's synchronisation."""
         if group == 1 or msg_bytes <= 0:
             return Op(name, "ICI", 0.0)
@@ -310,11 +318,11 @@ class ChipModel:
                self.matmul("lm_head", n_logits, H, d.vocab),
                self.vector("sampling", n_logits * d.vocab, 4, n_logits * d.vocab * 4)]
         if self.par.tp > 1:
-            c = allreduce_cost(self._gd["tp"], self.chip)
-            msg = n_logits * self.arch.vocab * 4
+            # fp32 logits gathered at the peak link bandwidth (no achieved-bandwidth scaling)
+            c, msg = self._ag, n_logits * self.arch.vocab * 4
             ops.append(Op("logits_allgather", "ICI",
-                          c.alpha_s / 2 + c.beta_s_per_byte / 2 * msg + COLLECTIVE_LAUNCH_S,
-                          ici_bytes=c.gamma / 2 * msg))
+                          c.alpha_s + c.beta_s_per_byte * msg + COLLECTIVE_LAUNCH_S,
+                          ici_bytes=c.gamma * msg))
         return ops
 
     # ---- a step -----------------------------------------------------------------------------

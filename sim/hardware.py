@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dse.catalog import ChipSpec
+from dse.errors import NeuScaleError
 
 HBM_EFFICIENCY = 0.90          # achieved / peak HBM bandwidth, streaming
 HBM_OP_LATENCY_S = 1e-6        # DMA start per operator
@@ -85,7 +86,10 @@ def hardware(chip: ChipSpec) -> Hardware:
     e_hbm = (1 / chip.max_hbm_bytes_per_j - chip.static_power_w / chip.hbm_bw_bytes_per_s
              - SRAM_J_PER_BYTE)
     if e_sa <= 0 or e_hbm <= 0:
-        raise ValueError(f"chip {chip.name}: static power and SRAM energy exceed Table 2 budget")
+        raise NeuScaleError(
+            f"chip {chip.name}: its static power ({chip.static_power_w:g} W) and the SRAM "
+            f"energy leave nothing of its max TFLOP/J or max HBM GB/J (Table 2) for the "
+            "compute or memory themselves: lower static_power_w or check those two figures")
     return Hardware(
         chip=chip, tensorcores=tc, mxus=mxus, clock_hz=clock,
         vu_flops_per_s=tc * VU_FLOP_PER_CYCLE_PER_CORE * clock,

@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dse.catalog import default_catalog
-from dse.costmodel import Parallelism
 from dse.models import load_model
-from dse.vpod import ICITopology
 
 from .chip import ChipModel
 from .engine import Engine
@@ -65,11 +63,8 @@ def closed_loop(engine: Engine, clients: int, requests: int, prompt: int, output
 
 
 def evaluate(row: dict[str, str]) -> dict[str, Any]:
-    cat = default_catalog()
-    chip = cat.get(row["chip"])
-    tp = int(row["tp"])
-    cm = ChipModel(load_model(row["model"]), chip, ICITopology.parse(row["topology"]).for_chip(chip),
-                   Parallelism(tp))
+    cm = ChipModel.of(load_model(row["model"]), default_catalog(), row["chip"], row["topology"],
+                      int(row["tp"]))
     conc, n_in, n_out = int(row["concurrency"]), int(row["input_tokens"]), int(row["output_tokens"])
     n_req = int(row["requests"] or 0)
     method, metric = row["method"], row["metric"]

@@ -14,25 +14,55 @@ against the detailed model on random mixed steps.
 
 The table implements the engine's step-cost protocol (:class:`sim.engine.StepCost`):
 ``step(prefill_tokens, prefill_ctx, n_decode, decode_kv) -> (latency_s, energy_j)``.
+
+Tables are cached on disk (``.npz``) under a key of everything that decides their numbers (model
+fingerprint, chip spec, allocation, grids and the source of every module the chip model runs).
+A cached table is checked when read (shapes, finite positive values, and a few grid points
+recomputed with the chip model); a damaged one is rebuilt, a cache that cannot be written is run
+without (one warning each).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
+import io
 import math
 import os
-import tempfile
+import re
+import stat
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from dse.cache import say_once
+from dse.files import MiB, write_atomic
+
 from .chip import ChipModel
 from .hardware import STEP_OVERHEAD_S
 
 # PCIe 4.0 x16 between HBM and host memory: 24 GB/s per chip (paper Table 3, weight loading)
 HOST_BW_BYTES_PER_S_PER_CHIP = 24e9
+
+# every module whose code decides a table's numbers: the chip model and what it runs
+_KEY_MODULES = ("sim.chip", "sim.hardware", "sim.stepcost", "dse.catalog", "dse.models",
+                "dse.parallel", "dse.torus", "dse.vpod", "dse.xla_cost")
+MAX_TABLE_BYTES = 256 * MiB
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest() -> bytes:
+    h = hashlib.sha256()
+    for name in _KEY_MODULES:
+        h.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return h.digest()
+
+
+class _Damaged(Exception):
+    """A cached table that must not be used (the message says why)."""
 
 
 def _grid(lo: float, hi: float, per_octave: int = 4, small_ints: int = 16) -> np.ndarray:
@@ -130,21 +160,33 @@ class StepCostTable:
         self._ep = ep
         self._heads: dict[int, tuple[float, float]] = {}
 
+    def _cell(self, table: str, i: int, j: int = 0) -> tuple[float, float]:
+        """(latency, dynamic energy) of one grid cell of a table, from the chip model."""
+        cm, ep = self.model, self.model.par.ep
+        if table == "tok":
+            t = self.g_tok[i]
+            kw = dict(nd_loc=t, stage_tokens=t * ep)
+        elif table == "head":
+            kw = dict(logits=self.g_seq[i])
+        elif table == "pre":
+            p = self.g_tok2[i]
+            kw = dict(p_loc=p, c_loc=p * self.g_ctx[j])
+        else:
+            n = self.g_seq2[i]
+            kw = dict(nd_loc=n, kv_loc=n * self.g_ctx[j])
+        name = {"tok": "tok", "head": "head", "pre": "prefill_attn", "dec": "decode_attn"}[table]
+        v = cm.parts_local(**{"p_loc": 0.0, "c_loc": 0.0, "nd_loc": 0.0, "kv_loc": 0.0,
+                              "logits": 0.0, "stage_tokens": 0.0, **kw})[name]
+        return max(v[0], _TINY), max(v[1], _TINY)
+
     def _tabulate(self) -> tuple[np.ndarray, ...]:
         """Evaluate the chip model on the grids (0.1-3 s; cached on disk when ``cache_dir``)."""
-        cm, ep = self.model, self.model.par.ep
-
-        def part(name, **kw):
-            v = cm.parts_local(**{"p_loc": 0.0, "c_loc": 0.0, "nd_loc": 0.0, "kv_loc": 0.0,
-                                  "logits": 0.0, "stage_tokens": 0.0, **kw})[name]
-            return max(v[0], _TINY), max(v[1], _TINY)
-
-        tok = [part("tok", nd_loc=t, stage_tokens=t * ep) for t in self.g_tok]
-        head = [part("head", logits=n) for n in self.g_seq]
-        pre = [[part("prefill_attn", p_loc=p, c_loc=p * c) for c in self.g_ctx]
-               for p in self.g_tok2]
-        dec = [[part("decode_attn", nd_loc=n, kv_loc=n * L) for L in self.g_ctx]
-               for n in self.g_seq2]
+        tok = [self._cell("tok", i) for i in range(len(self.g_tok))]
+        head = [self._cell("head", i) for i in range(len(self.g_seq))]
+        pre = [[self._cell("pre", i, j) for j in range(len(self.g_ctx))]
+               for i in range(len(self.g_tok2))]
+        dec = [[self._cell("dec", i, j) for j in range(len(self.g_ctx))]
+               for i in range(len(self.g_seq2))]
         t_tok, e_tok = (np.array(x) for x in zip(*tok))
         t_head, e_head = (np.array(x) for x in zip(*head))
         return (t_tok, e_tok, t_head, e_head,
@@ -154,45 +196,98 @@ class StepCostTable:
                 np.array([[x[1] for x in row] for row in dec]))
 
     def cache_key(self) -> str:
-        """Model fingerprint, chip spec, allocation, grids and the chip model's source code."""
+        """Model fingerprint, chip spec (every field: ``repr``), allocation, grids and the source
+        of every module the chip model runs (:data:`_KEY_MODULES`)."""
         cm = self.model
         h = hashlib.sha256()
         for part in (cm.arch.fingerprint(), repr(cm.chip), str(cm.topo), repr(cm.par),
                      repr((self.max_tokens, self.max_seqs, self.max_kv_per_seq))):
             h.update(part.encode())
-        here = Path(__file__).resolve().parent
-        for f in ("chip.py", "hardware.py", "stepcost.py"):
-            h.update((here / f).read_bytes())
+        h.update(_source_digest())
         return h.hexdigest()[:24]
 
     def _path(self) -> Path | None:
         if self.cache_dir is None:
             return None
         cm = self.model
-        return Path(self.cache_dir) / (f"{cm.arch.name}-{cm.chip.name}-{cm.topo}-tp{cm.par.tp}"
+        name = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{cm.arch.name}")[:64]
+        return Path(self.cache_dir) / (f"{name}-{cm.chip.name}-{cm.topo}-tp{cm.par.tp}"
                                        f"pp{cm.par.pp}ep{cm.par.ep}-{self.cache_key()}.npz")
 
     _NAMES = ("t_tok", "e_tok", "t_head", "e_head", "t_pre", "e_pre", "t_dec", "e_dec")
 
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        nt, ns, nc = len(self.g_tok), len(self.g_seq), len(self.g_ctx)
+        n2, s2 = len(self.g_tok2), len(self.g_seq2)
+        return {"t_tok": (nt,), "e_tok": (nt,), "t_head": (ns,), "e_head": (ns,),
+                "t_pre": (n2, nc), "e_pre": (n2, nc), "t_dec": (s2, nc), "e_dec": (s2, nc)}
+
     def _load(self):
+        """The cached arrays, or None (no cache, no entry, or a damaged one: said once)."""
         p = self._path()
-        if p is None or not p.exists():
+        if p is None:
             return None
         try:
-            with np.load(p) as z:
-                return tuple(z[k] for k in self._NAMES)
-        except (OSError, KeyError, ValueError):      # a damaged file is rebuilt
+            st = os.stat(p)
+        except (OSError, ValueError):
+            return None
+        try:
+            if not stat.S_ISREG(st.st_mode):
+                raise _Damaged("not a regular file")
+            if st.st_size > MAX_TABLE_BYTES:
+                raise _Damaged(f"{st.st_size / MiB:,.0f} MiB")
+            with open(p, "rb") as fh:
+                blob = fh.read(MAX_TABLE_BYTES + 1)
+            try:
+                with np.load(io.BytesIO(blob)) as z:
+                    arrays = {k: z[k] for k in self._NAMES}
+            except Exception as e:  # noqa: BLE001 - truncated, empty, not a zip, no such array
+                raise _Damaged(f"unreadable: {type(e).__name__}: {e}") from None
+            return self._checked(arrays)
+        except (OSError, _Damaged) as e:
+            say_once(f"note: the cached step-cost table {str(p)!r} is damaged ({e}); rebuilding "
+                     "it", key=f"damaged:{p}")
             return None
 
+    def _checked(self, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+        """``arrays`` if they are sound: the right shapes, finite and positive, and equal to the
+        chip model at a few grid points of every table (corners, middle and ten more, the same
+        every time: ~50 chip-model calls), which a NaN, a negative value or a table scaled x1000
+        cannot be; else :class:`_Damaged`."""
+        for k, shape in self._shapes().items():
+            a = arrays[k]
+            if a.dtype != np.float64 or a.shape != shape:
+                raise _Damaged(f"{k} is {a.dtype}{list(a.shape)}, expected float64{list(shape)}")
+            if not np.all(np.isfinite(a) & (a > 0)):
+                raise _Damaged(f"{k} holds NaN, infinite, zero or negative values")
+        for table, (t, e) in (("tok", ("t_tok", "e_tok")), ("head", ("t_head", "e_head")),
+                              ("pre", ("t_pre", "e_pre")), ("dec", ("t_dec", "e_dec"))):
+            shape = arrays[t].shape
+            n, m = shape[0], (shape[1] if len(shape) == 2 else 1)
+            rng = np.random.default_rng(len(table))
+            spots = {(0, 0), (n - 1, m - 1), (n // 2, m // 2)}
+            spots.update(zip(rng.integers(0, n, 10).tolist(), rng.integers(0, m, 10).tolist()))
+            for i, j in sorted(spots):
+                idx = (i, j) if len(shape) == 2 else (i,)
+                lat, en = self._cell(table, i, j)
+                if not (math.isclose(arrays[t][idx], lat, rel_tol=1e-9)
+                        and math.isclose(arrays[e][idx], en, rel_tol=1e-9)):
+                    raise _Damaged(f"{t}/{e} at grid point {idx} differ from the chip model")
+        return tuple(arrays[k] for k in self._NAMES)
+
     def _save(self, arrays) -> None:
+        """Write the table; a cache that cannot be written is run without (one warning)."""
         p = self._path()
         if p is None:
             return
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp.npz")
-        os.close(fd)
-        np.savez(tmp, **dict(zip(self._NAMES, arrays)))
-        os.replace(tmp, p)
+        buf = io.BytesIO()
+        np.savez(buf, **dict(zip(self._NAMES, arrays)))
+        try:
+            write_atomic(p, buf.getvalue(), prefix=".tmp-")
+        except OSError as e:
+            say_once(f"warning: cannot write the step-cost cache in {str(p.parent)!r} "
+                     f"({e.strerror or e}); running uncached (tables are rebuilt on every run)",
+                     key=f"unwritable:{p.parent}")
 
     def _local(self, prefill_tokens, prefill_ctx, n_decode, decode_kv):
         ep = self.model.par.ep

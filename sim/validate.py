@@ -67,6 +67,12 @@ class Point:
         return f"{c.chip.name}:{c.topo} {c.par} b{self.batch}"
 
 
+def _arrays(points: list[Point]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Predicted latency and efficiency, then simulated latency and efficiency, of the points."""
+    return tuple(np.array([getattr(p, k) for p in points])
+                 for k in ("pred_latency_s", "pred_eff", "sim_latency_s", "sim_eff"))
+
+
 @dataclass
 class Validation:
     model: str
@@ -131,7 +137,7 @@ class Validator:
         if self.metric == "energy":
             eff = r.tokens / r.energy_j
         else:
-            eff = r.tokens / (r.cycle_s * c.par.chips * c.chip.price_usd_per_chip_hour / 3600)
+            eff = r.tokens / c.chip.vpod_usd(c.par.chips, r.cycle_s)
         return r.latency_s, eff
 
     def predicted(self, phase: str, seq_len: int) -> list[Point]:
@@ -172,10 +178,7 @@ class Validator:
             p.sim_latency_s, p.sim_eff = self.simulate(p.cand, phase, p.batch, s)
             if progress:
                 progress(1)
-        pl = np.array([p.pred_latency_s for p in pts])
-        pe = np.array([p.pred_eff for p in pts])
-        sl = np.array([p.sim_latency_s for p in pts])
-        se = np.array([p.sim_eff for p in pts])
+        pl, pe, sl, se = _arrays(pts)
         return Validation(self.arch.name, phase, s, self.metric, pts,
                           spearman(pl, sl), pearson(pl, sl), spearman(pe, se), pearson(pe, se),
                           sorted(pareto_front(sl, se).tolist()),
@@ -198,10 +201,7 @@ class Validator:
         for s in buckets or list(SEQ_BUCKETS):
             v = self.validate(phase, s, max_candidates, seed)
             slo_roof, slo_sim = self.slo_pair(phase, s, slo_scale)
-            pl = np.array([p.pred_latency_s for p in v.points])
-            pe = np.array([p.pred_eff for p in v.points])
-            sl = np.array([p.sim_latency_s for p in v.points])
-            se = np.array([p.sim_eff for p in v.points])
+            pl, pe, sl, se = _arrays(v.points)
             k, _ = best_fit(pl, pe, slo_roof)
             o, ok = best_fit(sl, se, slo_sim)
             chosen_ok = bool(sl[k] <= slo_sim)
@@ -287,9 +287,7 @@ def verify_db(db, arch: ModelArch, catalog: Catalog | None = None,
     does, the fastest on the chip model, flagged ``meets_slo=False``."""
     from dataclasses import replace as dc_replace
 
-    from dse.costmodel import Parallelism
     from dse.db import BestFitDB
-    from dse.vpod import ICITopology
     catalog = catalog or default_catalog()
     metric = db.meta["metric"]
     entries = []
@@ -301,10 +299,9 @@ def verify_db(db, arch: ModelArch, catalog: Catalog | None = None,
         best = None
         for p in sorted(db.pareto_for(e.phase, e.seq_len, e.chip),
                         key=lambda p: -p["efficiency"]):
-            par = Parallelism(p["tp"], p["pp"], p["ep"])
-            cm = ChipModel(arch, chip, ICITopology.parse(p["topology"]).for_chip(chip), par)
+            cm = ChipModel.of(arch, catalog, e.chip, p["topology"], p["tp"], p["pp"], p["ep"])
             r = cm.step(e.phase, p["batch"], e.seq_len)
-            usd_tok = r.cycle_s * par.chips * chip.price_usd_per_chip_hour / 3600 / r.tokens
+            usd_tok = chip.vpod_usd(cm.par.chips, r.cycle_s) / r.tokens
             cand = (r.latency_s <= e.slo_s, p, r, usd_tok)
             if cand[0]:
                 best = cand

@@ -78,7 +78,7 @@ def test_bad_user_chip_names_the_problem(tmp_path, over, msg):
 
 
 def test_chip_file_errors(tmp_path):
-    with pytest.raises(NeuScaleError, match="cannot read chip file"):
+    with pytest.raises(NeuScaleError, match="no chip file at"):
         load_chip_file(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -133,3 +133,11 @@ def test_enumerated_topologies_are_valid_and_distinct():
         assert all(list(t.dims) == sorted(t.dims, reverse=True) for t in topos)
         counts = {t.num_chips for t in topos}
         assert counts == {2 ** k for k in range(11 if chip.torus_dims == 3 else 9)}
+
+
+def test_vpod_usd_is_chips_times_price_times_time():
+    import numpy as np
+    v5p = default_catalog().get("v5p")
+    assert v5p.vpod_usd(8, 3600.0) == pytest.approx(8 * 4.20)
+    np.testing.assert_allclose(v5p.vpod_usd(np.array([1, 4]), np.array([[1.0], [2.0]])),
+                               4.20 / 3600 * np.array([[1, 4], [2, 8]]), rtol=1e-15)

@@ -128,3 +128,14 @@ def test_fused_moe_traffic_counts_only_routed_experts():
               [2048])
     ratio = d.hbm_bytes[:, 0] / d.xla_bytes[:, 0]
     assert ratio[0] < 0.3 and ratio[0] < ratio[1] < ratio[2] and ratio[2] > 0.75, ratio
+
+
+def test_roofline_prices_the_vpod_with_the_catalog_and_reexports_the_split_and_torus():
+    import dse.costmodel as cm
+    import dse.parallel
+    import dse.torus
+    for mod in (dse.parallel, dse.torus):
+        for name in mod.__all__:
+            assert getattr(cm, name) is getattr(mod, name)
+    r = _eval("llama3-70b", "v5p", "2x2x2", Parallelism(4, 2), "decode", [1, 16], [1024, 8192])
+    np.testing.assert_array_equal(r.cost_usd, CAT.get("v5p").vpod_usd(8, r.cycle_s))

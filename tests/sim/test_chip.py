@@ -143,3 +143,12 @@ def test_chip_model_is_slower_than_the_roofline_and_ranks_alike():
         roof = [x[2] for x in rows if x[0] == ph]
         assert np.argsort(sim).tolist() == np.argsort(roof).tolist()
     assert not math.isnan(rows[0][1])
+
+
+def test_chip_model_of_resolves_names_and_aliases():
+    a = load_model("deepseek-v3")
+    cm = ChipModel.of(a, CAT, "NPU-C", "4x4x2", 4, ep=8)
+    assert cm.chip is CAT.get("v5p") and cm.par == Parallelism(4, 1, 8)
+    assert cm.topo == ICITopology.parse("4x4x2").for_chip(cm.chip)
+    ref = model("deepseek-v3", "v5p", "4x4x2", Parallelism(4, 1, 8))
+    assert cm.step("decode", 64, 2048) == ref.step("decode", 64, 2048)

@@ -47,3 +47,127 @@ def test_vectorised_and_protocol_fields():
     # KV capacity: 90 % of 32 GB minus 16 GB of weights, at 128 KiB per token
     assert tab.kv_capacity_tokens == pytest.approx((0.9 * 32e9 - 16.06e9) / 131072, rel=0.01)
     assert tab.kv_bytes_per_token == 131072
+
+
+# ---- the on-disk table cache: key, damage, unwritable, file mode ---------------------------
+
+def small(cache_dir, chip=None):
+    c = chip or CAT.get("v6e")
+    cm = ChipModel(load_model("llama3-8b"), c, ICITopology.parse("1x1").for_chip(c),
+                   Parallelism(1))
+    return StepCostTable(cm, cache_dir=cache_dir)
+
+
+def arrays(tab):
+    return [getattr(tab, k) for k in tab._NAMES]
+
+
+def test_cache_key_covers_chip_spec_and_every_module_the_chip_model_runs():
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    import sim.chip
+    from sim.stepcost import _KEY_MODULES
+    ref = small(None)
+    # a --chip-file that changes a chip's spec (same name) gets its own table
+    other = dataclasses.replace(CAT.get("v6e"), hbm_bw_bytes_per_s=2000e9)
+    assert small(None, other).cache_key() != ref.cache_key()
+    assert small(None, dataclasses.replace(CAT.get("v6e"))).cache_key() == ref.cache_key()
+    # every module of ours that sim.chip imports is hashed
+    tree = ast.parse(Path(sim.chip.__file__).read_text())
+    used = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+            and n.module.startswith("dse.")}
+    used |= {f"sim.{n.module}" for n in ast.walk(tree)
+             if isinstance(n, ast.ImportFrom) and n.level == 1}
+    assert used - {"dse.errors"} <= set(_KEY_MODULES)
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory):
+    """A table and its cache file, built once."""
+    d = tmp_path_factory.mktemp("stepcost")
+    tab = small(d)
+    (path,) = d.glob("*.npz")
+    return tab, path
+
+
+def _rewrite(p, **over):
+    with np.load(p) as z:
+        d = {k: z[k] for k in z.files}
+    np.savez(p, **{**d, **over})
+
+
+DAMAGE = {
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[:300]),
+    "empty": lambda p: p.write_bytes(b""),
+    "wrong shape": lambda p: _rewrite(p, t_tok=np.ones(3)),
+    "missing array": lambda p: np.savez(p, t_tok=np.ones(3)),
+    "NaN": lambda p: _rewrite(p, e_head=np.full_like(np.load(p)["e_head"], np.nan)),
+    "negative": lambda p: _rewrite(p, t_pre=-np.load(p)["t_pre"]),
+    "x1000": lambda p: _rewrite(p, t_dec=1000 * np.load(p)["t_dec"]),
+    "int dtype": lambda p: _rewrite(p, t_tok=np.load(p)["t_tok"].astype(np.int64)),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_table_is_rebuilt_and_said_once(tmp_path, capsys, cached, case):
+    ref, src = cached
+    path = tmp_path / src.name
+    path.write_bytes(src.read_bytes())
+    DAMAGE[case](path)
+    capsys.readouterr()
+    tab = small(tmp_path)
+    for a, b in zip(arrays(tab), arrays(ref)):
+        np.testing.assert_array_equal(a, b)
+    small(tmp_path)                               # the rebuilt table was written back
+    err = capsys.readouterr().err
+    assert err.count("note: ") == 1 and "step-cost table" in err and "rebuilding" in err, err
+
+
+def test_sound_cached_table_is_used(tmp_path, capsys, cached, monkeypatch):
+    ref, src = cached
+    (tmp_path / src.name).write_bytes(src.read_bytes())
+    monkeypatch.setattr(StepCostTable, "_tabulate", lambda self: pytest.fail("tabulated"))
+    np.testing.assert_array_equal(small(tmp_path).t_pre, ref.t_pre)
+    assert capsys.readouterr().err == ""
+
+
+def test_table_path_that_is_a_directory(tmp_path, capsys, cached):
+    ref, src = cached
+    path = tmp_path / src.name
+    path.mkdir()
+    tab = small(tmp_path)
+    np.testing.assert_array_equal(tab.t_dec, ref.t_dec)
+    err = capsys.readouterr().err
+    assert "not a regular file" in err and "warning: cannot write the step-cost cache" in err
+
+
+def test_unwritable_table_cache_runs_uncached_with_one_warning(tmp_path, capsys, monkeypatch,
+                                                              cached):
+    ref, _ = cached
+    root = tmp_path / "file"                      # NEUSCALE_CACHE_DIR naming a file
+    root.write_text("")
+    small(root / "stepcost", CAT.get("v5e"))
+    assert small(root / "stepcost").t_tok.tolist() == ref.t_tok.tolist()
+    assert capsys.readouterr().err.count("warning: cannot write the step-cost cache") == 1
+    import sim.stepcost as sc
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(sc, "write_atomic", refuse)
+    tab = small(tmp_path / "ro")
+    assert tab.kv_capacity_tokens == ref.kv_capacity_tokens
+    assert "Permission denied" in capsys.readouterr().err
+
+
+def test_table_files_get_the_umask_mode(tmp_path):
+    import os
+    import stat
+    old = os.umask(0o022)
+    try:
+        small(tmp_path)
+    finally:
+        os.umask(old)
+    (path,) = tmp_path.glob("*")
+    assert path.suffix == ".npz" and stat.S_IMODE(path.stat().st_mode) == 0o644
