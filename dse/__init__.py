@@ -7,7 +7,7 @@ Public API::
     e = db.lookup("decode", 3000)            # best chip; e.chip, e.topology, e.tp, ...
 """
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402,F401
 
 from .errors import NeuScaleError  # noqa: E402
 from .catalog import Catalog, ChipSpec, default_catalog, load_chip_file  # noqa: E402

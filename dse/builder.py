@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import __version__
+from .version import __version__
 from .buckets import BATCH_BUCKETS, SEQ_BUCKETS
 from .catalog import Catalog, ChipSpec, default_catalog
 from .costmodel import (BOUNDS, HBM_USABLE_FRACTION, METRICS, PHASES, REASONS, CostModel, OnChip, Parallelism,

@@ -8,8 +8,7 @@ first, then most efficient). Lookups are a bisect plus a dict/tuple index: ~1 us
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+import math
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from .buckets import MAX_SEQ_LEN, SEQ_BUCKETS
 from .errors import NeuScaleError
+from .files import read_text, write_atomic
 from .vpod import ICITopology, VPodConfig
 
 DB_FORMAT = "neuscale-bestfit"
@@ -57,6 +57,79 @@ class Entry:
 
 
 _ENTRY_FIELDS = [f.name for f in fields(Entry)]
+_ENTRY_TYPES = {f.name: f.type for f in fields(Entry)}
+_NON_FINITE = ("latency_s", "energy_j_per_token", "usd_per_token")   # inf when infeasible
+MAX_DB_BYTES = 256 << 20          # real databases are 1-3 MB
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in d.items()}
+
+
+class _Bad(Exception):
+    pass
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise _Bad(what)
+
+
+def _number(v: Any, where: str, positive: bool = False) -> float:
+    _need(isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v),
+          f"{where} must be a number (got {v!r})")
+    _need(not positive or v > 0, f"{where} must be > 0 (got {v!r})")
+    return float(v)
+
+
+def _check(data: dict[str, Any]) -> list[Entry]:
+    """The file's structure and every field the tools read (type and range); the entries."""
+    for key, kind in (("entries", list), ("pareto", dict), ("explain", dict), ("chips", list),
+                      ("slo_s", dict), ("model_arch", dict), ("model", str), ("metric", str)):
+        _need(isinstance(data.get(key), kind), f"{key!r} is missing or not a {kind.__name__}")
+    chips = data["chips"]
+    _need(bool(chips) and all(isinstance(c, str) and c for c in chips),
+          "'chips' must be a non-empty list of chip names")
+    _need(data["metric"] in ("energy", "cost"), f"metric {data['metric']!r} is not energy/cost")
+    edges = data.get("buckets", list(SEQ_BUCKETS))
+    _need(isinstance(edges, list) and bool(edges) and
+          all(type(x) is int and x > 0 for x in edges) and edges == sorted(set(edges)),
+          "'buckets' must be increasing positive integers")
+    for ph in ("prefill", "decode"):
+        slo = data["slo_s"].get(ph)
+        _need(isinstance(slo, list) and len(slo) == len(edges),
+              f"slo_s.{ph} must list one SLO per bucket ({len(edges)})")
+        for i, v in enumerate(slo):
+            _number(v, f"slo_s.{ph}[{i}]", positive=True)
+    return [_entry(e, i, set(chips), set(edges)) for i, e in enumerate(data["entries"])]
+
+
+def _entry(e: Any, i: int, chips: set[str], edges: set[int]) -> Entry:
+    where = f"entries[{i}]"
+    _need(isinstance(e, dict), f"{where} is not an object")
+    missing = [k for k in _ENTRY_FIELDS if k not in e and k != "feasible"]
+    _need(not missing, f"{where} lacks {', '.join(missing)}")
+    kw: dict[str, Any] = {}
+    for k in _ENTRY_FIELDS:
+        v, typ, at = e.get(k, True), _ENTRY_TYPES[k], f"{where}.{k}"
+        if typ == "str":
+            _need(isinstance(v, str), f"{at} must be a string (got {v!r})")
+        elif typ == "int":     # an infeasible entry (no vPod fits) has zeros
+            lo = 1 if e.get("feasible", True) is True or k == "seq_len" else 0
+            _need(type(v) is int and v >= lo, f"{at} must be an integer >= {lo} (got {v!r})")
+        elif typ == "bool":
+            _need(isinstance(v, bool), f"{at} must be true or false (got {v!r})")
+        elif v is None and k in _NON_FINITE:
+            v = math.inf
+        else:
+            v = _number(v, at)
+            _need(v >= 0, f"{at} must be >= 0 (got {v!r})")
+        kw[k] = v
+    _need(kw["phase"] in ("prefill", "decode"), f"{where}.phase {kw['phase']!r}")
+    _need(kw["chip"] in chips, f"{where}.chip {kw['chip']!r} is not in 'chips'")
+    _need(kw["seq_len"] in edges, f"{where}.seq_len {kw['seq_len']} is not a bucket edge")
+    return Entry(**kw)
 
 
 class BestFitDB:
@@ -145,37 +218,69 @@ class BestFitDB:
         i = self.bucket_index(seq_len)
         return self.explain.get(f"{phase}|{self.edges[i]}|{chip}", {})
 
+    def check_built_for(self, arch, catalog) -> None:
+        """Refuse to use this database for another model or with other chip specs: its best
+        fits, SLOs and prices were computed for the ones it records."""
+        have = self.meta.get("model_hash")
+        if have != arch.fingerprint():
+            raise NeuScaleError(
+                f"the best-fit database was built for model {self.meta.get('model')!r} "
+                f"(fingerprint {have}), not for {arch.name!r} (fingerprint "
+                f"{arch.fingerprint()}): pass the matching --model, or build a database for "
+                f"it with `orchestrator dse build --model {arch.name}`")
+        for spec in self.meta.get("catalog", []):
+            name = spec.get("name") if isinstance(spec, dict) else None
+            try:
+                mine = catalog.get(name)
+            except NeuScaleError:
+                raise NeuScaleError(f"the best-fit database uses chip {name!r}, which this "
+                                    "command's catalog lacks (pass its --chip-file)") from None
+            if json.loads(json.dumps(mine.to_json(), default=str)) != \
+                    json.loads(json.dumps(spec, default=str)):
+                raise NeuScaleError(
+                    f"the best-fit database was built with another spec of chip {name!r} "
+                    f"(catalog hash {self.meta.get('catalog_hash')}, this command's "
+                    f"{catalog.fingerprint()}): pass the same --chip-file as the build, or "
+                    "rebuild the database")
+
     # ---- files ------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {**self.meta, "entries": [e.to_json() for e in self.entries],
+        """The file's content. Strict JSON: an entry's infinite latency, J/token or $/token
+        (a chip that fits nothing in the bucket, ``feasible: false``) is written as null."""
+        return {**self.meta, "entries": [_finite(e.to_json()) for e in self.entries],
                 "pareto": self.pareto, "explain": self.explain}
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-db-")
-        with os.fdopen(fd, "w") as fh:  # dumps (C encoder) is several times faster than dump
-            fh.write(json.dumps(self.to_json(), separators=(",", ":")))
-        os.replace(tmp, p)
-        return p
+        # dumps (C encoder) is several times faster than dump
+        return write_atomic(path, json.dumps(self.to_json(), separators=(",", ":"),
+                                             allow_nan=False), prefix=".tmp-db-")
 
     @classmethod
     def load(cls, path: str | Path) -> "BestFitDB":
         p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
+        if not p.exists():
             raise NeuScaleError(f"no best-fit database at {str(p)!r}; build one with "
-                                "`orchestrator dse build --model MODEL --out PATH`") from None
-        except (OSError, ValueError) as e:
+                                "`orchestrator dse build --model MODEL --out PATH`")
+        text = read_text(p, "best-fit database", MAX_DB_BYTES)
+        try:
+            data = json.loads(text)
+        except ValueError as e:
             raise NeuScaleError(f"cannot read best-fit database {str(p)!r}: {e}") from None
         if not isinstance(data, dict) or data.get("format") != DB_FORMAT:
             raise NeuScaleError(f"{str(p)!r} is not a NeuScale best-fit database")
-        if data.get("format_version") != DB_FORMAT_VERSION:
-            raise NeuScaleError(f"{str(p)!r} has database format version "
-                                f"{data.get('format_version')}; this tool reads version "
-                                f"{DB_FORMAT_VERSION}: rebuild it with `orchestrator dse build`")
-        entries = [Entry(**{k: e[k] for k in _ENTRY_FIELDS}) for e in data.pop("entries")]
+        version = data.get("format_version")
+        if type(version) is not int:
+            raise NeuScaleError(f"{str(p)!r}: format_version must be an integer (got "
+                                f"{version!r})")
+        if version != DB_FORMAT_VERSION:
+            raise NeuScaleError(f"{str(p)!r} has database format version {version}; this tool "
+                                f"reads version {DB_FORMAT_VERSION}: rebuild it with "
+                                "`orchestrator dse build`")
+        try:
+            entries = _check(data)
+        except _Bad as e:
+            raise NeuScaleError(f"{str(p)!r} is not a valid best-fit database: {e}") from None
         pareto = data.pop("pareto")
         explain = data.pop("explain")
+        data.pop("entries")
         return cls(data, entries, pareto, explain)

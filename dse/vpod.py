@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Mapping
 
 from .catalog import Catalog, ChipSpec, default_catalog
@@ -185,3 +186,23 @@ def enumerate_topologies(chip: ChipSpec, max_chips: int = 1024) -> list[ICITopol
     rec((), max(exps))
     out.sort(key=lambda t: (t.num_chips, t.dims))
     return out
+
+
+def compact_topology(chip: ChipSpec, num_chips: int) -> ICITopology:
+    """The most cube-like power-of-two shape of ``num_chips`` chips of ``chip``."""
+    if not is_pow2(num_chips):
+        raise NeuScaleError(f"{num_chips} chips is not a power of two")
+    dims = [1] * chip.torus_dims
+    k = 0
+    while math.prod(dims) < num_chips:
+        dims[k % len(dims)] *= 2
+        k += 1
+    return ICITopology(tuple(sorted(dims, reverse=True))).for_chip(chip)
+
+
+class VPodState(StrEnum):
+    """A vPod's life cycle, the same words for the policy, the drivers and the backends."""
+    STARTING = "starting"     # ordered: being created, engine loading (capacity on its way)
+    READY = "ready"           # serving
+    DRAINING = "draining"     # being deleted: takes no new requests, finishes what it has
+    RELEASED = "released"     # gone (its chips are free again)

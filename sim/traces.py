@@ -70,6 +70,7 @@ import json
 import math
 import os
 import re
+import sys
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -390,6 +391,9 @@ def _parse_file(path: Path) -> _Arrays:
     return _frozen(arrival, np.float64), _frozen(inp, np.int64), _frozen(out, np.int64)
 
 
+# A file's first arrival later than this (1 day) is taken for an absolute timestamp (Unix
+# seconds: ~1.7e9): its times are rebased to start at 0 instead of simulating the idle decades.
+ABSOLUTE_AFTER_S = 86400.0
 _CACHE_MIN_BYTES = 1 << 20     # smaller files parse in milliseconds: not worth a cache slot
 
 
@@ -415,6 +419,13 @@ def _load_file(path: Path, name: str | None = None, note: str = "") -> Trace:
         arrival, inp, out = _parse_file_cached(str(path.resolve()), st.st_size, st.st_mtime_ns)
     else:
         arrival, inp, out = _parse_file(path)
+    first = float(arrival[0])
+    if first > ABSOLUTE_AFTER_S:      # absolute timestamps (Unix time): the trace starts at 0
+        arrival = arrival - first
+        msg = (f"arrival times start at {first:.6g} s, which looks like absolute time: "
+               "rebased so the first request arrives at t = 0")
+        print(f"note: trace {path.name}: {msg}", file=sys.stderr)
+        note = f"{note}; {msg}" if note else msg
     return Trace(name or path.name.split(".")[0], arrival, inp, out, note)
 
 
