@@ -19,7 +19,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse import load_model  # noqa: E402
-from sim.cluster import ClusterConfig, ClusterSim, make_policies, verified_db  # noqa: E402
+from orchestrator.cluster import ClusterConfig, ClusterSim  # noqa: E402
+from orchestrator.registry import make_policies  # noqa: E402
+from sim.verified import verified_db  # noqa: E402
 from sim.traces import load_trace  # noqa: E402
 
 CASES = [("deepseek-v3", "azure-code", 2.0, "12:00"), ("llama3-8b", "azure-conv-2023", 0.5, None)]
@@ -42,7 +44,7 @@ def one(model: str, trace: str, hours: float, start: str | None) -> None:
     for name, cfg in variants.items():
         t = time.perf_counter()
         sim = ClusterSim(arch, db, make_policies("neuscale", db, cfg.policy, inp, out), cfg)
-        rep = {ph: r.to_json() for ph, r in sim.run(arr, inp, out).items()}
+        rep = sim.run(arr, inp, out).to_json()
         wall = time.perf_counter() - t
         ref = ref or rep
         cells = []

@@ -21,8 +21,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse import load_model  # noqa: E402
-from sim.cluster import (ClusterConfig, ClusterSim, ideal_report, make_policies,  # noqa: E402
-                         verified_db)
+from orchestrator.cluster import ClusterConfig, ClusterSim, ideal_report  # noqa: E402
+from orchestrator.registry import make_policies  # noqa: E402
+from sim.verified import verified_db  # noqa: E402
 from sim.traces import load_trace  # noqa: E402
 
 TRACES = {"azure-code": "Azure coding", "lveval": "LV-Eval-like",
@@ -47,7 +48,7 @@ def run_one(job: tuple[str, str, str, float, str]) -> str:
         sim = ClusterSim(arch, db, make_policies(name, db, cfg.policy, inp, out), cfg)
         rep = sim.run(arr, inp, out)
         res["wall_s"][name] = time.perf_counter() - t
-        res["policies"][name] = {ph: r.to_json() for ph, r in rep.items()}
+        res["policies"][name] = rep.to_json()
     rep = ideal_report(arch, db, arr, inp, out)
     res["policies"]["ideal"] = {ph: r.to_json() for ph, r in rep.items()}
     path.write_text(json.dumps(res, indent=1))

@@ -21,7 +21,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse import BuildOptions, BestFitDB, build  # noqa: E402
-from orchestrator.policy import Observation, Policy, PolicyConfig, VPod  # noqa: E402
+from orchestrator.policy import Observation, Policy, PolicyConfig, VPodRecord  # noqa: E402
+
+
+def vpod(vid: str, group: str, e) -> VPodRecord:
+    return VPodRecord(vid, group, e.chip, e.topology, e.num_chips,
+                throughput_tok_per_s=e.throughput_tok_per_s, max_batch=e.max_batch)
 
 
 def main() -> None:
@@ -37,9 +42,8 @@ def main() -> None:
         for phase in ("prefill", "decode"):
             pol = Policy(db, phase, PolicyConfig(coalescing=coalescing))
             first = pol.plan(Observation(0.0, rates))
-            inv = [VPod(f"{g}#{k}", g, s.chip, s.topology, s.num_chips,
-                        throughput_tok_per_s=s.throughput_tok_per_s, max_batch=s.max_batch)
-                   for g, s in first.groups.items() for k in range(first.target.get(g, 0))]
+            inv = [vpod(f"{g}#{k}", g, s.entry) for g, s in first.groups.items()
+                   for k in range(first.target.get(g, 0))]
             obs = Observation(300.0, rates, inv, {}, {"v5p": 4096, "v6e": 1024})
             groups += len(first.target)
             for _ in range(20):
@@ -58,14 +62,10 @@ def main() -> None:
     # that only own vPods (e.g. left from an earlier length mix), which the plan evicts
     pol = Policy(db, "decode", PolicyConfig(coalescing=False))
     first = pol.plan(Observation(0.0, rates))
-    inv = [VPod(f"{g}#0", g, s.chip, s.topology, s.num_chips,
-                throughput_tok_per_s=s.throughput_tok_per_s, max_batch=s.max_batch)
-           for g, s in first.groups.items()]
-    spec = next(iter(first.groups.values()))
+    inv = [vpod(f"{g}#0", g, s.entry) for g, s in first.groups.items()]
+    e = next(iter(first.groups.values())).entry
     extra = 100 - len(first.groups)
-    inv += [VPod(f"old{k}#0", f"old{k}", spec.chip, spec.topology, spec.num_chips,
-                 throughput_tok_per_s=spec.throughput_tok_per_s, max_batch=spec.max_batch)
-            for k in range(extra)]
+    inv += [vpod(f"old{k}#0", f"old{k}", e) for k in range(extra)]
     obs = Observation(300.0, rates, inv, {}, {})
     times = []
     for _ in range(20):

@@ -22,7 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse import load_model  # noqa: E402
-from sim.cluster import ClusterConfig, ClusterSim, make_policies, verified_db  # noqa: E402
+from orchestrator.cluster import ClusterConfig, ClusterSim  # noqa: E402
+from orchestrator.registry import make_policies  # noqa: E402
+from sim.verified import verified_db  # noqa: E402
 from sim.traces import load_trace  # noqa: E402
 
 
@@ -60,7 +62,7 @@ def main() -> None:
     # the first run: the target assumes them built, like the DB)
     sim = ClusterSim(arch, db, make_policies(args.policy, db, cfg.policy, inp, out), cfg)
     t = time.perf_counter()
-    rep = sim.run(arr, inp, out)
+    rep = sim.run(arr, inp, out).reports
     wall = time.perf_counter() - t
     from router.routing import RoutingTable
     table = RoutingTable.build({i: i for i in range(len(db.edges))}, db.edges)
@@ -71,7 +73,7 @@ def main() -> None:
     n = len(tr)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{args.model} {args.trace} {args.hours:g} h from {args.start}, {args.policy}: "
-          f"{n:,} requests, {len(sim.vpods)} vPods, {len(sim._tables)} step-cost tables")
+          f"{n:,} requests, {len(sim.fleet.vpods)} vPods, {len(sim._tables)} step-cost tables")
     print(f"  simulator {n / wall:,.0f} req/s ({wall:.1f} s, peak RSS {rss_mib:,.0f} MiB); "
           f"routing-only baseline {n / base:,.0f} req/s; simulator / baseline = "
           f"{base / wall:.4f}")

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from dse.db import BestFitDB, Entry
 from dse.errors import NeuScaleError
+from dse.vpod import VPodState
 from router.routing import RoutingTable
 
 
@@ -68,6 +70,9 @@ class PolicyConfig:
     # prompts on max_batch=1 prefill vPods), so an emergency grows a group at most this factor
     # per epoch.
     emergency_max_factor: float = 4.0
+    # A bound on the vPods one plan may order (per phase): a plan is a few hundred actions
+    # at most, whatever a bad observation says (not in the paper).
+    max_new_vpods: int = 256
     failover: bool = True
     failover_chips: tuple[str, ...] | None = None   # None: every chip version in the DB
     # the chip versions this autoscaler may use at all (§5.4's chip mixes: "C-only", or the
@@ -83,38 +88,48 @@ class PolicyConfig:
             raise NeuScaleError("ewma_alpha must be in (0, 1]")
         if self.epoch_s <= 0 or self.window_s < self.epoch_s or self.sample_s <= 0:
             raise NeuScaleError("need 0 < sample_s, 0 < epoch_s <= window_s")
+        if self.max_new_vpods < 1:
+            raise NeuScaleError("max_new_vpods must be >= 1")
 
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """A vPod group: one best-fit allocation (every vPod of the group has it, fail-overs aside)."""
+    """A vPod group: one best-fit allocation, the DB entry ``entry`` (every vPod of the group
+    has it, fail-overs aside)."""
     id: str
-    chip: str
-    topology: str
-    num_chips: int
-    tp: int
-    pp: int
-    ep: int
-    max_batch: int
-    throughput_tok_per_s: float
-    best_len: int                    # longest bucket the allocation is the best fit for
-    latency_s: float = math.inf      # at best_len and max_batch (TTFT / TPOT)
+    entry: Entry
 
     @classmethod
-    def of(cls, e: Entry) -> "GroupSpec":
-        gid = f"{e.chip}:{e.topology}/tp{e.tp}pp{e.pp}ep{e.ep}/b{e.max_batch}"
-        return cls(gid, e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep, e.max_batch,
-                   e.throughput_tok_per_s, e.seq_len, e.latency_s)
+    def of(cls, e: Entry, prefix: str = "") -> "GroupSpec":
+        return cls(f"{prefix}{e.chip}:{e.topology}/tp{e.tp}pp{e.pp}ep{e.ep}/b{e.max_batch}", e)
+
+    @property
+    def best_len(self) -> int:
+        """The longest bucket the allocation is the best fit for."""
+        return self.entry.seq_len
+
+
+class ActionKind(StrEnum):
+    CREATE = "create"               # one vPod (``failover``: on another chip version)
+    DELETE = "delete"               # one vPod (``vpod_id``), after draining
+    REPLACE = "replace"             # a fail-over vPod (``vpod_id``) by a best-fit one
+    CREATE_GROUP = "create_group"   # a new best-fit allocation is routed to
+    MERGE_GROUP = "merge_group"     # coalescing: the group's buckets go to a longer group
+    EVICT_GROUP = "evict_group"     # nothing routes to the group any more
+    DSE = "dse"                     # a length without a best fit: background DSE request
+    UNSATISFIED = "unsatisfied"     # ``count`` vPods wanted that no allowed chip's quota allows
 
 
 @dataclass(frozen=True)
-class VPod:
+class VPodRecord:
+    """A vPod as the policy sees it (an inventory record; the allocation is ``dse.vpod``'s
+    ``VPodConfig``, the simulated or real engine behind it is the driver's business)."""
     id: str
     group: str
     chip: str
     topology: str
     num_chips: int
-    state: str = "ready"             # starting | ready | draining
+    state: VPodState = VPodState.READY     # the policy sees starting and ready ones
     failover: bool = False
     throughput_tok_per_s: float = 0.0
     max_batch: int = 0
@@ -123,8 +138,8 @@ class VPod:
 @dataclass
 class Observation:
     now_s: float
-    bucket_token_rates: Mapping[int, np.ndarray]   # bucket index -> samples (tokens/s), oldest first
-    inventory: list[VPod] = field(default_factory=list)
+    bucket_token_rates: Mapping[int, np.ndarray]   # bucket -> samples (tokens/s), oldest first
+    inventory: list[VPodRecord] = field(default_factory=list)
     group_peak_queue: Mapping[str, int] = field(default_factory=dict)
     available_chips: Mapping[str, int | None] = field(default_factory=dict)  # None: no limit
 
@@ -142,7 +157,7 @@ class PolicyState:
 
 @dataclass(frozen=True)
 class Action:
-    kind: str        # create | delete | replace | create_group | merge_group | evict_group | dse
+    kind: ActionKind
     group: str
     reason: str
     chip: str = ""
@@ -225,8 +240,9 @@ class Policy:
             if e is None:   # unseen length: nearest bucket with an entry, DSE in the background
                 j = min(have, key=lambda k: (abs(k - i), -k))
                 e = self._entry(j)
-                actions.append(Action("dse", "", f"bucket <= {self.edges[i]} has no best fit: "
-                                      f"served by bucket <= {self.edges[j]}, background DSE"))
+                actions.append(Action(ActionKind.DSE, "", f"bucket <= {self.edges[i]} has no "
+                                      f"best fit: served by bucket <= {self.edges[j]}, "
+                                      "background DSE"))
             g = GroupSpec.of(e)
             specs.setdefault(g.id, g)
             b2g[i] = g.id
@@ -234,195 +250,226 @@ class Policy:
 
     def _latency(self, spec: GroupSpec, i: int) -> float:
         """Latency of ``spec``'s allocation on bucket ``i`` (memoised; see the class doc)."""
-        if self.latency_fn is None or spec.tp == 0:
-            return spec.latency_s
+        if self.latency_fn is None:
+            return spec.entry.latency_s
         key = (spec.id, i)
         v = self._lat_memo.get(key)
         if v is None:
             v = self._lat_memo[key] = float(self.latency_fn(spec, self.phase, self.edges[i]))
         return v
 
-    # ---- the plan -----------------------------------------------------------------------------
+    # ---- the plan: one stage per rule -----------------------------------------------------------
     def plan(self, obs: Observation, state: PolicyState | None = None) -> Plan:
         cfg = self.cfg
         state = state or PolicyState()
         actions: list[Action] = []
-        n_epoch = max(1, int(round(cfg.epoch_s / cfg.sample_s)))
-        n_window = max(1, int(round(cfg.window_s / cfg.sample_s)))
-        series = {i: np.asarray(r, dtype=np.float64)[-n_window:]
-                  for i, r in obs.bucket_token_rates.items() if len(r) and np.max(r) > 0}
-        owned = {v.group for v in obs.inventory if v.state != "draining"}
+        series = self._window(obs)
+        owned = {v.group for v in obs.inventory if v.state != VPodState.DRAINING}
         if not series and not owned:
             return Plan([], RoutingTable.build({0: "none"}, self.edges), state, {}, {}, {})
         b2g, specs = self._bucket_groups(sorted(series), actions) if series else ({}, {})
-        for v in obs.inventory:          # groups that only own vPods are known too
-            if v.group not in specs and v.state != "draining":
-                specs[v.group] = GroupSpec(v.group, v.chip, v.topology, v.num_chips, 0, 0, 0,
-                                           v.max_batch, v.throughput_tok_per_s, 0)
-        length = max((len(s) for s in series.values()), default=1)
-
-        def group_series(g: str) -> np.ndarray:
-            out = np.zeros(length)
-            for i, gid in b2g.items():
-                if gid == g:
-                    s = series[i]
-                    out[length - len(s):] += s
-            return out
-
+        load = _GroupLoad(series, b2g)
         for g in sorted(set(b2g.values())):
             if g not in owned:
-                actions.append(Action("create_group", g, "best fit of bucket(s) <= " + ", ".join(
-                    str(self.edges[i]) for i in sorted(b2g) if b2g[i] == g)))
-
-        # coalescing: merge under-used groups into the next longer one, ascending N_L
+                actions.append(Action(ActionKind.CREATE_GROUP, g, "best fit of bucket(s) <= "
+                                      + ", ".join(str(self.edges[i]) for i in sorted(b2g)
+                                                  if b2g[i] == g)))
         if cfg.coalescing:
-            merged = True
-            while merged:
-                merged = False
-                live = sorted(set(b2g.values()))
-                nl = {g: group_series(g).max() / specs[g].throughput_tok_per_s for g in live}
-                for g in sorted(live, key=nl.get):
-                    if nl[g] >= cfg.coalesce_below:
-                        break
-                    mine = [i for i in b2g if b2g[i] == g]
-                    longest = max(mine)
-                    # the next longer group (the paper's rule); keeping the SLO, the nearest
-                    # longer one whose allocation meets the merged buckets' SLO
-                    longer = []
-                    for i in sorted(b2g):
-                        if i > longest and b2g[i] != g and b2g[i] not in longer:
-                            longer.append(b2g[i])
-                    if not cfg.coalesce_keep_slo:
-                        longer = longer[:1]
-                    r_g = group_series(g).max()
-                    target, spare = None, 0.0
-                    for cand in longer:
-                        if cfg.coalesce_keep_slo and not all(
-                                self._latency(specs[cand], i) <= self._slo[i] for i in mine):
-                            continue
-                        r_t = group_series(cand).max()
-                        t_t = specs[cand].throughput_tok_per_s
-                        spare = max(1, math.ceil(r_t / t_t)) * t_t - r_t
-                        if spare >= r_g:
-                            target = cand
-                            break
-                    if target is None:
-                        continue
-                    for i in b2g:
-                        if b2g[i] == g:
-                            b2g[i] = target
-                    actions.append(Action("merge_group", g, f"N_L={nl[g]:.2f} < "
-                                          f"{cfg.coalesce_below}: merged into {target}, "
-                                          f"which has {spare:,.0f} tok/s spare"))
-                    merged = True
-                    break
-
+            self._coalesce(load, specs, actions)
         avail = {c: (None if n is None else int(n)) for c, n in obs.available_chips.items()}
-        inv: dict[str, list[VPod]] = {}
+        inv: dict[str, list[VPodRecord]] = {}
         for v in obs.inventory:
-            if v.state != "draining":
+            if v.state != VPodState.DRAINING:
                 inv.setdefault(v.group, []).append(v)
         live = sorted(set(b2g.values()))
-        rates = {g: float(group_series(g).max()) for g in live}
-        target: dict[str, int] = {}
+        rates = {g: float(load.series(g).max()) for g in live}
         new_state = PolicyState({g: replace(s) for g, s in state.groups.items()})
-
-        # groups that lost all their buckets (merged away or no traffic): evict
-        for g in sorted(set(inv) - set(live)):
-            for v in inv[g]:
-                actions.append(Action("delete", g, "group evicted: no traffic routed to it",
-                                      v.chip, v.topology, 1, v.id, v.failover))
-                _free(avail, v.chip, v.num_chips)
-            actions.append(Action("evict_group", g, "N_pod = 0"))
-            new_state.groups.pop(g, None)
-
+        self._evict_idle(inv, live, avail, actions, new_state)
+        target: dict[str, int] = {}
+        self._budget = cfg.max_new_vpods        # vPods this plan may still order
         for g in live:
-            spec = specs[g]
-            s = group_series(g)
             gs = new_state.groups.setdefault(g, GroupState())
-            epoch_peak = float(s[-n_epoch:].max())
-            gs.ewma_peak = (epoch_peak if gs.ewma_peak == 0.0 else
-                            cfg.ewma_alpha * epoch_peak + (1 - cfg.ewma_alpha) * gs.ewma_peak)
-            T = spec.throughput_tok_per_s
-            current = len(inv.get(g, []))
-            r_now = max(epoch_peak, gs.ewma_peak)
-            n_pod = math.ceil(r_now / T - 1e-9)
-            want, why = current, "steady"
-            if n_pod > current:
-                cap = max(1, math.floor(current * cfg.growth_per_epoch)) if current else n_pod
-                want = min(n_pod, cap)
-                why = (f"R_peak {r_now:,.0f} tok/s needs {n_pod} x {T:,.0f}"
-                       + (f", capped at x{cfg.growth_per_epoch:g} per epoch" if want < n_pod
-                          else ""))
-            elif n_pod < current and obs.now_s - gs.last_shrink_s >= cfg.shrink_period_s:
-                want = max(n_pod, math.ceil(current / cfg.shrink_factor))
-                why = (f"R_peak (EWMA) {r_now:,.0f} tok/s needs {n_pod}"
-                       + (f", at most /{cfg.shrink_factor:g} per "
-                          f"{cfg.shrink_period_s / 60:g} min" if want > n_pod else ""))
-                gs.last_shrink_s = obs.now_s
-            queue = obs.group_peak_queue.get(g, 0)
-            # batch slots of the group, counting vPods still starting (capacity on its way:
-            # without them every epoch of a start-up would order the same vPods again)
-            slots = sum(v.max_batch or spec.max_batch for v in inv.get(g, []))
-            if cfg.emergency and queue > slots:
-                extra = math.ceil((queue - slots) / max(spec.max_batch, 1))
-                bound = max(current + 1, math.ceil(current * cfg.emergency_max_factor))
-                new = min(current + extra, bound)
-                if new > want:
-                    want = new
-                    why = (f"emergency: peak queue {queue} > {slots} batch slots "
-                           "(doubling limit bypassed"
-                           + (f", at most x{cfg.emergency_max_factor:g} per epoch)"
-                              if new < current + extra else ")"))
-            if rates[g] == 0 and queue == 0:
+            vpods = inv.get(g, [])
+            want, why = self._size(specs[g], load.series(g), gs, len(vpods), obs.now_s)
+            want, why = self._emergency(specs[g], vpods, obs.group_peak_queue.get(g, 0),
+                                        want, why)
+            if rates[g] == 0 and obs.group_peak_queue.get(g, 0) == 0:
                 want, why = 0, "no traffic in the window"
             target[g] = want
-            self._actuate(g, spec, want, inv.get(g, []), why, avail, actions, rates, inv)
+            self._actuate(g, specs[g], want, vpods, why, avail, actions, rates, inv)
         routing = RoutingTable.build(b2g or {0: "none"}, self.edges)
         return Plan(actions, routing, new_state, specs, target, rates)
 
-    # ---- actuation under quotas ----------------------------------------------------------------
-    def _actuate(self, g: str, spec: GroupSpec, want: int, vpods: list[VPod], why: str,
+    def _window(self, obs: Observation) -> dict[int, np.ndarray]:
+        """Per bucket with traffic, the window's rate samples (tokens/s, oldest first)."""
+        n_window = max(1, int(round(self.cfg.window_s / self.cfg.sample_s)))
+        return {i: np.asarray(r, dtype=np.float64)[-n_window:]
+                for i, r in obs.bucket_token_rates.items() if len(r) and np.max(r) > 0}
+
+    def _coalesce(self, load: "_GroupLoad", specs: dict[str, GroupSpec],
+                  actions: list[Action]) -> None:
+        """Merge under-used groups (N_L = R_peak / T_pod below ``coalesce_below``) into a longer
+        group with room, one at a time in ascending N_L, until nothing merges."""
+        while self._merge_one(load, specs, actions):
+            pass
+
+    def _merge_one(self, load: "_GroupLoad", specs: dict[str, GroupSpec],
+                   actions: list[Action]) -> bool:
+        cfg, b2g = self.cfg, load.b2g
+        live = sorted(set(b2g.values()))
+        nl = {g: load.series(g).max() / specs[g].entry.throughput_tok_per_s for g in live}
+        for g in sorted(live, key=nl.get):
+            if nl[g] >= cfg.coalesce_below:
+                return False
+            mine = [i for i in b2g if b2g[i] == g]
+            target, spare = self._merge_target(g, mine, load, specs)
+            if target is None:
+                continue
+            for i in mine:
+                b2g[i] = target
+            actions.append(Action(ActionKind.MERGE_GROUP, g, f"N_L={nl[g]:.2f} < "
+                                  f"{cfg.coalesce_below}: merged into {target}, "
+                                  f"which has {spare:,.0f} tok/s spare"))
+            return True
+        return False
+
+    def _merge_target(self, g: str, mine: list[int], load: "_GroupLoad",
+                      specs: dict[str, GroupSpec]) -> tuple[str | None, float]:
+        """The group ``g`` merges into, and that group's spare throughput: the next longer
+        group (the paper's rule) or, keeping the SLO, the nearest longer one whose allocation
+        meets the SLO of every bucket of ``g``; it must absorb ``g``'s load without a vPod
+        more."""
+        b2g, keep_slo = load.b2g, self.cfg.coalesce_keep_slo
+        longest = max(mine)
+        longer: list[str] = []
+        for i in sorted(b2g):
+            if i > longest and b2g[i] != g and b2g[i] not in longer:
+                longer.append(b2g[i])
+        if not keep_slo:
+            longer = longer[:1]
+        r_g = load.series(g).max()
+        spare = 0.0
+        for cand in longer:
+            if keep_slo and not all(self._latency(specs[cand], i) <= self._slo[i] for i in mine):
+                continue
+            r_t = load.series(cand).max()
+            t_t = specs[cand].entry.throughput_tok_per_s
+            spare = max(1, math.ceil(r_t / t_t)) * t_t - r_t
+            if spare >= r_g:
+                return cand, spare
+        return None, spare
+
+    def _evict_idle(self, inv: dict[str, list[VPodRecord]], live: list[str],
+                    avail: dict[str, int | None], actions: list[Action],
+                    state: PolicyState) -> None:
+        """Groups that lost all their buckets (merged away, or no traffic): delete their vPods."""
+        for g in sorted(set(inv) - set(live)):
+            for v in inv[g]:
+                actions.append(Action(ActionKind.DELETE, g, "group evicted: no traffic routed "
+                                      "to it", v.chip, v.topology, 1, v.id, v.failover))
+                _free(avail, v.chip, v.num_chips)
+            actions.append(Action(ActionKind.EVICT_GROUP, g, "N_pod = 0"))
+            state.groups.pop(g, None)
+
+    def _size(self, spec: GroupSpec, s: np.ndarray, gs: GroupState, current: int,
+              now_s: float) -> tuple[int, str]:
+        """N_pod = ceil(R / T_pod): at most x``growth_per_epoch`` up per epoch, at most
+        /``shrink_factor`` down per ``shrink_period_s``; R is the last epoch's peak or, when
+        lower, the EWMA of epoch peaks (updated in ``gs``)."""
+        cfg = self.cfg
+        n_epoch = max(1, int(round(cfg.epoch_s / cfg.sample_s)))
+        epoch_peak = float(s[-n_epoch:].max())
+        gs.ewma_peak = (epoch_peak if gs.ewma_peak == 0.0 else
+                        cfg.ewma_alpha * epoch_peak + (1 - cfg.ewma_alpha) * gs.ewma_peak)
+        T = spec.entry.throughput_tok_per_s
+        r_now = max(epoch_peak, gs.ewma_peak)
+        n_pod = math.ceil(r_now / T - 1e-9)
+        if n_pod > current:
+            cap = max(1, math.floor(current * cfg.growth_per_epoch)) if current else n_pod
+            want = min(n_pod, cap)
+            return want, (f"R_peak {r_now:,.0f} tok/s needs {n_pod} x {T:,.0f}"
+                          + (f", capped at x{cfg.growth_per_epoch:g} per epoch"
+                             if want < n_pod else ""))
+        if n_pod < current and now_s - gs.last_shrink_s >= cfg.shrink_period_s:
+            want = max(n_pod, math.ceil(current / cfg.shrink_factor))
+            gs.last_shrink_s = now_s
+            return want, (f"R_peak (EWMA) {r_now:,.0f} tok/s needs {n_pod}"
+                          + (f", at most /{cfg.shrink_factor:g} per "
+                             f"{cfg.shrink_period_s / 60:g} min" if want > n_pod else ""))
+        return current, "steady"
+
+    def _emergency(self, spec: GroupSpec, vpods: list[VPodRecord], queue: int, want: int,
+                   why: str) -> tuple[int, str]:
+        """Emergency scale-out past the doubling limit when the peak queue exceeds the group's
+        batch slots (vPods still starting count: capacity on its way; without them every epoch
+        of a start-up would order the same vPods again), at most x``emergency_max_factor``."""
+        cfg = self.cfg
+        current = len(vpods)
+        mb = spec.entry.max_batch
+        slots = sum(v.max_batch or mb for v in vpods)
+        if not cfg.emergency or queue <= slots:
+            return want, why
+        extra = math.ceil((queue - slots) / max(mb, 1))
+        bound = max(current + 1, math.ceil(current * cfg.emergency_max_factor))
+        new = min(current + extra, bound)
+        if new <= want:
+            return want, why
+        return new, (f"emergency: peak queue {queue} > {slots} batch slots (doubling limit "
+                     "bypassed" + (f", at most x{cfg.emergency_max_factor:g} per epoch)"
+                                   if new < current + extra else ")"))
+
+    # ---- actuation under quotas: fail-over, replacement, eviction --------------------------------
+    def _actuate(self, g: str, spec: GroupSpec, want: int, vpods: list[VPodRecord], why: str,
                  avail: dict[str, int | None], actions: list[Action], rates: dict[str, float],
-                 inv: dict[str, list[VPod]]) -> None:
+                 inv: dict[str, list[VPodRecord]]) -> None:
+        e = spec.entry
         current = len(vpods)
         if want < current:       # fail-overs first, then starting ones, then the newest
-            order = sorted(vpods, key=lambda v: (not v.failover, v.state != "starting"))
+            order = sorted(vpods, key=lambda v: (not v.failover, v.state != VPodState.STARTING))
             for v in order[:current - want]:
-                actions.append(Action("delete", g, why, v.chip, v.topology, 1, v.id, v.failover))
+                actions.append(Action(ActionKind.DELETE, g, why, v.chip, v.topology, 1, v.id,
+                                      v.failover))
                 _free(avail, v.chip, v.num_chips)
             vpods = order[current - want:]
         # replace fail-over vPods by best-fit ones while quota allows
         for v in [v for v in vpods if v.failover]:
-            if _take(avail, spec.chip, spec.num_chips):
-                actions.append(Action("replace", g, f"best fit {spec.chip} available again",
-                                      spec.chip, spec.topology, 1, v.id))
+            if _take(avail, e.chip, e.num_chips):
+                actions.append(Action(ActionKind.REPLACE, g, f"best fit {e.chip} available "
+                                      "again", e.chip, e.topology, 1, v.id))
                 _free(avail, v.chip, v.num_chips)
         missing = want - min(current, want)
         while missing > 0:
-            if _take(avail, spec.chip, spec.num_chips):
-                actions.append(Action("create", g, why, spec.chip, spec.topology, 1))
+            if self._budget <= 0:
+                actions.append(Action(ActionKind.UNSATISFIED, g, f"{why}; this plan has "
+                                      f"ordered its {self.cfg.max_new_vpods} new vPods",
+                                      e.chip, e.topology, missing))
+                break
+            if _take(avail, e.chip, e.num_chips):
+                actions.append(Action(ActionKind.CREATE, g, why, e.chip, e.topology, 1))
                 missing -= 1
+                self._budget -= 1
                 continue
             fo = self._failover(spec, avail) if self.cfg.failover else None
             if fo is not None:
-                e, n = fo
-                actions.append(Action("create", g, f"{why}; {spec.chip} quota exhausted: "
-                                      f"fail-over to {e.chip}", e.chip, e.topology, 1,
+                actions.append(Action(ActionKind.CREATE, g, f"{why}; {e.chip} quota exhausted: "
+                                      f"fail-over to {fo.chip}", fo.chip, fo.topology, 1,
                                       failover=True))
                 missing -= 1
+                self._budget -= 1
                 continue
             if self.cfg.eviction and self._evict_for(g, spec, avail, actions, rates, inv):
                 continue
-            actions.append(Action("unsatisfied", g, f"{why}; no quota on any allowed chip",
-                                  spec.chip, spec.topology, missing))
+            actions.append(Action(ActionKind.UNSATISFIED, g, f"{why}; no quota on any allowed "
+                                  "chip", e.chip, e.topology, missing))
             break
 
-    def _failover(self, spec: GroupSpec, avail: dict[str, int | None]):
+    def _failover(self, spec: GroupSpec, avail: dict[str, int | None]) -> Entry | None:
+        """The best allocation of another allowed chip for the group's bucket (SLO-compliant
+        first, then most efficient) that quota allows; its chips are taken from ``avail``."""
         i = min(range(len(self.edges)), key=lambda k: abs(self.edges[k] - spec.best_len))
         cands = []
         for c in self.failover_chips:
-            if c == spec.chip:
+            if c == spec.entry.chip:
                 continue
             e = self._entry(i, c)
             if e is not None:
@@ -430,14 +477,14 @@ class Policy:
         cands.sort(key=lambda e: (not e.meets_slo, -e.efficiency))
         for e in cands:
             if _take(avail, e.chip, e.num_chips):
-                return e, 1
+                return e
         return None
 
     def _evict_for(self, g: str, spec: GroupSpec, avail: dict[str, int | None],
                    actions: list[Action], rates: dict[str, float],
-                   inv: dict[str, list[VPod]]) -> bool:
+                   inv: dict[str, list[VPodRecord]]) -> bool:
         """Free one vPod of the lowest-R_peak other group that runs on a usable chip."""
-        usable = {spec.chip, *(self.failover_chips if self.cfg.failover else [])}
+        usable = {spec.entry.chip, *(self.failover_chips if self.cfg.failover else [])}
         for other in sorted((o for o in inv if o != g and inv[o]),
                             key=lambda o: rates.get(o, 0.0)):
             if rates.get(other, 0.0) >= rates.get(g, 0.0):
@@ -446,11 +493,29 @@ class Policy:
                 if v.chip in usable:
                     inv[other].remove(v)
                     _free(avail, v.chip, v.num_chips)
-                    actions.append(Action("delete", other, f"evicted for {g} (lowest R_peak "
-                                          f"{rates.get(other, 0.0):,.0f} tok/s)", v.chip,
+                    actions.append(Action(ActionKind.DELETE, other, f"evicted for {g} (lowest "
+                                          f"R_peak {rates.get(other, 0.0):,.0f} tok/s)", v.chip,
                                           v.topology, 1, v.id, v.failover))
                     return True
         return False
+
+
+class _GroupLoad:
+    """A phase's window of per-bucket token-rate samples seen through the bucket -> group map
+    ``b2g`` (which coalescing changes in place): the summed samples of a group's buckets."""
+
+    def __init__(self, series: dict[int, np.ndarray], b2g: dict[int, str]):
+        self.b2g = b2g
+        self._series = series
+        self._length = max((len(s) for s in series.values()), default=1)
+
+    def series(self, g: str) -> np.ndarray:
+        out = np.zeros(self._length)
+        for i, gid in self.b2g.items():
+            if gid == g:
+                s = self._series[i]
+                out[self._length - len(s):] += s
+        return out
 
 
 def _take(avail: dict[str, int | None], chip: str, n: int) -> bool:
@@ -466,59 +531,3 @@ def _take(avail: dict[str, int | None], chip: str, n: int) -> bool:
 def _free(avail: dict[str, int | None], chip: str, n: int) -> None:
     if avail.get(chip) is not None:
         avail[chip] += n
-
-
-class BasePolicy(Policy):
-    """The baseline of §5.1: one homogeneous group, the best fit of the longest sequence the
-    workload has, scaled in count only (same sizing rules, no coalescing or fail-over)."""
-
-    def __init__(self, db: BestFitDB, phase: str, longest_len: int,
-                 config: PolicyConfig = PolicyConfig()):
-        super().__init__(db, phase, replace(config, coalescing=False, failover=False))
-        i = db.bucket_index(min(int(longest_len), db.edges[-1]))
-        while i < len(db.edges) - 1 and self._entry(i) is None:
-            i += 1
-        e = self._entry(i)
-        if e is None:
-            raise NeuScaleError(f"no {phase} best fit for the longest sequence ({longest_len})")
-        self.spec = GroupSpec.of(e)
-
-    def _bucket_groups(self, buckets, actions):
-        return {i: self.spec.id for i in buckets}, {self.spec.id: self.spec}
-
-
-class MultiPoolPolicy(Policy):
-    """The DynamoLLM-like baseline of §5.5: ``K`` fixed pools over equal percentiles of the
-    workload's sequence lengths, each the best fit of its longest bucket, scaled in count only
-    (no coalescing or fail-over)."""
-
-    def __init__(self, db: BestFitDB, phase: str, lengths, pools: int,
-                 config: PolicyConfig = PolicyConfig()):
-        super().__init__(db, phase, replace(config, coalescing=False, failover=False))
-        if pools < 1:
-            raise NeuScaleError(f"multipool needs K >= 1 pools (got {pools})")
-        lens = np.minimum(np.asarray(lengths, dtype=np.int64), db.edges[-1])
-        if lens.size == 0:
-            raise NeuScaleError("multipool needs the workload's lengths")
-        cuts = np.quantile(lens, np.linspace(0, 1, pools + 1)[1:])
-        self.pool_of: dict[int, GroupSpec] = {}
-        lo = 0
-        for k, cut in enumerate(cuts):
-            hi = db.bucket_index(int(math.ceil(cut)))
-            j = hi
-            while j < len(db.edges) - 1 and self._entry(j) is None:
-                j += 1
-            e = self._entry(j)
-            if e is None:
-                raise NeuScaleError(f"no {phase} best fit for pool {k + 1} (<= {int(cut)})")
-            spec = replace(GroupSpec.of(e), id=f"pool{k + 1}:" + GroupSpec.of(e).id)
-            for i in range(lo, hi + 1):
-                self.pool_of.setdefault(i, spec)
-            lo = hi + 1
-        last = self.pool_of[max(self.pool_of)]
-        for i in range(len(db.edges)):
-            self.pool_of.setdefault(i, last)
-
-    def _bucket_groups(self, buckets, actions):
-        b2g = {i: self.pool_of[i].id for i in buckets}
-        return b2g, {self.pool_of[i].id: self.pool_of[i] for i in buckets}

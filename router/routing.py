@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping
+from typing import Callable, Hashable, Iterable, Mapping, TypeVar
+
+import numpy as np
 
 from dse.buckets import SEQ_BUCKETS
 from dse.errors import NeuScaleError
 
 MIGRATE_FACTOR = 2.0  # §3.4: migrate past twice the group's best-fit length
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -58,16 +61,18 @@ class RoutingTable:
         return cls(tuple(edges), tuple(groups), best)
 
     def bucket(self, length: int) -> int:
+        """The bucket of a sequence of ``length`` tokens (the last one for longer ones)."""
         return min(bisect_left(self.edges, max(1, int(length))), len(self.edges) - 1)
 
     def group_for_length(self, length: int) -> Hashable:
+        """Prefill routes by the input length, decode by input + (predicted) output."""
         return self.groups[self.bucket(length)]
 
-    def prefill_group(self, input_tokens: int) -> Hashable:
-        return self.group_for_length(input_tokens)
-
-    def decode_group(self, input_tokens: int, predicted_output_tokens: int) -> Hashable:
-        return self.group_for_length(input_tokens + predicted_output_tokens)
+    def next_boundary(self, length: int) -> int | None:
+        """The length at which a sequence now ``length`` tokens long enters the next bucket
+        (its output is re-predicted then, §3.4); None past the last bucket."""
+        b = bisect_left(self.edges, length)
+        return self.edges[b] + 1 if b < len(self.edges) else None
 
     def longer_group(self, group: Hashable) -> Hashable | None:
         """The group that serves the buckets right above ``group``'s longest one."""
@@ -80,11 +85,18 @@ class RoutingTable:
         return None
 
 
-def least_loaded(loads: Mapping[Hashable, float]) -> Hashable:
-    """The vPod with the smallest load (ties: the first in iteration order)."""
-    if not loads:
-        raise NeuScaleError("no vPod in the group")
-    return min(loads, key=loads.__getitem__)
+def bucket_indices(edges: tuple[int, ...], lengths: np.ndarray) -> np.ndarray:
+    """:meth:`RoutingTable.bucket` of many lengths at once."""
+    e = np.asarray(edges)
+    return np.searchsorted(e, np.clip(lengths, 1, e[-1]), side="left")
+
+
+def least_loaded(vpods: Iterable[T], load: Callable[[T], float]) -> T:
+    """The vPod with the smallest ``load(vpod)`` (ties: the first)."""
+    try:
+        return min(vpods, key=load)
+    except ValueError:
+        raise NeuScaleError("no vPod in the group") from None
 
 
 def crossed_bucket(table: RoutingTable, old_length: int, new_length: int) -> bool:

@@ -16,7 +16,7 @@ def run(*args):
 
 
 def test_step_json_with_operator_breakdown():
-    p = run("--model", "llama3-70b", "--chip", "v5p", "--chips", "8", "--topology", "2x2x2",
+    p = run("--model", "llama3-70b", "--chip", "v5p", "--num-chips", "8", "--topology", "2x2x2",
             "--tp", "8", "--phase", "decode", "--batch", "64", "--seq-len", "4096", "--json",
             "--ops")
     assert p.returncode == 0, p.stderr
@@ -36,7 +36,7 @@ def test_step_text_and_errors():
     assert p.returncode == 0 and "TTFT" in p.stdout and "qkv_proj" in p.stdout
     p = run("--model", "llama3-8b", "--chip", "v6e", "--tp", "1")
     assert p.returncode == 2 and "needs --phase, --batch, --seq-len" in p.stderr
-    p = run("--model", "llama3-8b", "--chip", "v6e", "--chips", "4", "--tp", "1", "--phase",
+    p = run("--model", "llama3-8b", "--chip", "v6e", "--num-chips", "4", "--tp", "1", "--phase",
             "decode", "--batch", "1", "--seq-len", "10")
     assert p.returncode == 2 and "does not equal tp*pp*ep" in p.stderr
 

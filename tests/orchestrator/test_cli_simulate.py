@@ -18,7 +18,7 @@ def run(*args, cache=None):
 
 def test_json_report_shape_ratios_and_outputs(tmp_path):
     p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--hours", "0.1",
-            "--chips", "v5e,v5p,v6e", "--out", str(tmp_path), "--json")
+            "--chip-mix", "v5e,v5p,v6e", "--out", str(tmp_path), "--json")
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert set(r["policies"]) == {"neuscale", "base", "ideal"}
@@ -56,5 +56,5 @@ def test_user_errors():
     assert p.returncode == 2 and "CHIP=CHIPS" in p.stderr
     p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--accuracy", "1.5")
     assert p.returncode == 2 and "between 0 and 1" in p.stderr
-    p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--chips", "gpu=v6e")
+    p = run("--model", "llama3-8b", "--trace", "azure-code-2023", "--chip-mix", "gpu=v6e")
     assert p.returncode == 2 and "PHASE=CHIP" in p.stderr

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dse import BestFitDB
-from orchestrator.policy import Observation, Policy, PolicyConfig, PolicyState, VPod
+from orchestrator.policy import Observation, Policy, PolicyConfig, PolicyState, VPodRecord
 
 N = 180   # 30 min of 10-s samples
 
@@ -30,7 +30,7 @@ def spec(db, phase, i):
 
 
 def vpods(gid, e, n, start=0, **kw):
-    return [VPod(f"{gid}#{start + k}", gid, e.chip, e.topology, e.num_chips,
+    return [VPodRecord(f"{gid}#{start + k}", gid, e.chip, e.topology, e.num_chips,
                  throughput_tok_per_s=e.throughput_tok_per_s, max_batch=e.max_batch, **kw)
             for k in range(n)]
 
@@ -101,13 +101,16 @@ def test_group_without_traffic_is_evicted(db):
     assert deletes(p, g) == 3 and any(a.kind == "evict_group" for a in p.actions)
 
 
+def group_changes(db, ph):
+    """Buckets i whose best fit differs from bucket i + 1's."""
+    return [i for i in range(47) if spec(db, ph, i)[1] != spec(db, ph, i + 1)[1]]
+
+
 def test_coalescing_merges_small_group_into_next_longer_with_room(db):
     # two buckets with different best fits; the short one barely used
     ph = "decode"
-    idx = [i for i in range(47) if spec(db, ph, i)[1] != spec(db, ph, i + 1)[1]]
-    i = idx[0]
-    e_small, g_small = spec(db, ph, i)
-    e_big, g_big = spec(db, ph, i + 1)
+    i = group_changes(db, ph)[0]
+    (e_small, g_small), (e_big, g_big) = spec(db, ph, i), spec(db, ph, i + 1)
     T_big = e_big.throughput_tok_per_s
     small = 0.1 * e_small.throughput_tok_per_s
     big = 2.5 * T_big                           # 3 vPods, 0.5 of one spare
@@ -189,7 +192,7 @@ def test_config_validation():
 
 
 def test_multipool_splits_buckets_by_percentile(db):
-    from orchestrator.policy import MultiPoolPolicy
+    from orchestrator.baselines import MultiPoolPolicy
     lens = np.concatenate([np.full(50, 300), np.full(50, 6000)])
     pol = MultiPoolPolicy(db, "decode", lens, 2)
     short, long_ = pol.pool_of[db.bucket_index(300)], pol.pool_of[db.bucket_index(6000)]
@@ -204,10 +207,8 @@ def test_multipool_splits_buckets_by_percentile(db):
 
 def test_coalescing_keeps_the_slo_of_the_merged_buckets(db):
     ph = "decode"
-    idx = [i for i in range(47) if spec(db, ph, i)[1] != spec(db, ph, i + 1)[1]]
-    i = idx[0]
-    e_small, g_small = spec(db, ph, i)
-    e_big, g_big = spec(db, ph, i + 1)
+    i = group_changes(db, ph)[0]
+    (e_small, g_small), (e_big, g_big) = spec(db, ph, i), spec(db, ph, i + 1)
     slo_small = db.meta["slo_s"][ph][i]
     # the longer group's allocation is too slow for the short bucket's SLO
     slow = [dataclasses.replace(x, latency_s=1.01 * slo_small)
@@ -225,7 +226,7 @@ def test_coalescing_keeps_the_slo_of_the_merged_buckets(db):
 
 def test_coalescing_skips_a_longer_group_too_slow_for_the_slo(db):
     ph = "decode"
-    idx = [i for i in range(47) if spec(db, ph, i)[1] != spec(db, ph, i + 1)[1]]
+    idx = group_changes(db, ph)
     i, j, k = idx[0], idx[0] + 1, idx[1] + 1             # three buckets, three groups
     (e_s, g_s), (e_m, g_m), (e_l, g_l) = spec(db, ph, i), spec(db, ph, j), spec(db, ph, k)
     assert len({g_s, g_m, g_l}) == 3

@@ -1,7 +1,9 @@
+import numpy as np
 import pytest
 
 from dse import SEQ_BUCKETS, NeuScaleError
-from router.routing import RoutingTable, crossed_bucket, least_loaded, should_migrate
+from router.routing import (RoutingTable, bucket_indices, crossed_bucket, least_loaded,
+                            should_migrate)
 
 
 def table():
@@ -19,16 +21,22 @@ def test_build_fills_gaps_from_nearest_bucket():
         RoutingTable.build({})
 
 
-def test_prefill_by_input_decode_by_input_plus_prediction():
+def test_bucket_boundaries_and_vectorised_buckets():
     t = table()
-    assert t.prefill_group(900) == "A"
-    assert t.decode_group(900, 2000) == "B"
+    assert t.next_boundary(1) == 129 and t.next_boundary(128) == 129
+    assert t.next_boundary(129) == 257                 # 129 is in the bucket <= 256
+    assert t.next_boundary(SEQ_BUCKETS[-1]) == SEQ_BUCKETS[-1] + 1
+    assert t.next_boundary(SEQ_BUCKETS[-1] + 1) is None
+    lengths = np.array([1, 128, 129, 5000, 10 ** 9])
+    assert bucket_indices(t.edges, lengths).tolist() == [t.bucket(x) for x in lengths]
 
 
 def test_least_loaded_and_reprediction():
-    assert least_loaded({"a": 3, "b": 1, "c": 1}) == "b"
+    loads = {"a": 3, "b": 1, "c": 1}
+    assert least_loaded(loads, loads.__getitem__) == "b"       # ties: the first
+    assert least_loaded(["x", "yy", "z"], len) == "x"
     with pytest.raises(NeuScaleError):
-        least_loaded({})
+        least_loaded([], len)
     t = table()
     assert crossed_bucket(t, 127, 129) and not crossed_bucket(t, 129, 200)
 

@@ -103,6 +103,8 @@ def _plot_vs_length(plt, per_request, db, model: str, path: Path) -> Path:
     """Mean energy per token and median latency / SLO per sequence bucket (Fig. 19 c, f):
     prefill against the input length, decode against input + output."""
     import numpy as np
+
+    from router.routing import bucket_indices
     edges = np.asarray(db.edges)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for name, d in per_request.items():
@@ -114,7 +116,7 @@ def _plot_vs_length(plt, per_request, db, model: str, path: Path) -> Path:
             lat = np.asarray(d["ttft_s" if ph == "prefill" else "tpot_s"], dtype=np.float64)
             energy = np.asarray(d[f"{ph}_energy_j"], dtype=np.float64)
             slo = np.asarray(db.meta["slo_s"][ph])
-            b = np.searchsorted(edges, np.clip(length, 1, edges[-1]))
+            b = bucket_indices(db.edges, length)
             ok = tokens > 0
             xs, ys, zs = [], [], []
             for k in np.unique(b[ok]):

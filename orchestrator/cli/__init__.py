@@ -1,0 +1,47 @@
+"""The ``orchestrator`` command line, one module per command group:
+
+    orchestrator dse ...       offline best-fit vPod database and its checks   (cli/dse.py)
+    orchestrator sim ...       the per-operator chip model, one step            (cli/sim.py)
+    orchestrator simulate ...  trace replay through the autoscaling policies   (cli/simulate.py)
+
+Every error a user can cause ends in one line ``error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from dse.errors import NeuScaleError
+
+from . import dse, sim, simulate
+from .common import Parser
+
+GROUPS = (dse, sim, simulate)
+
+
+def build_parser() -> Parser:
+    p = Parser(
+        prog="orchestrator",
+        description="NeuScale: serve LLMs on heterogeneous Cloud TPU pools (v4, v5e, v5p, v6e). "
+                    "`dse` learns offline which vPod (chip x pod shape x parallelism x batch) "
+                    "serves each sequence-length bucket best; `simulate` replays traces through "
+                    "the autoscaler on simulated TPUs.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for group in GROUPS:
+        group.add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except NeuScaleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

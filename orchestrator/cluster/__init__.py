@@ -1,0 +1,13 @@
+"""The trace-driven cluster simulator: the policy's virtual-clock driver (paper §4-5).
+
+``simulator`` runs the loop (observe, plan, act, route), ``fleet`` the simulated vPods and
+their life cycle, ``accounting`` the per-phase, per-minute and per-request report and the
+Ideal oracle, ``report`` the plots.
+"""
+
+from .accounting import Migration, PhaseReport, SimResult, ideal_report, ratios_vs_base
+from .fleet import Fleet, SimVPod
+from .simulator import ClusterConfig, ClusterSim
+
+__all__ = ["ClusterConfig", "ClusterSim", "Fleet", "Migration", "PhaseReport", "SimResult",
+           "SimVPod", "ideal_report", "ratios_vs_base"]

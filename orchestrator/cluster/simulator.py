@@ -1,0 +1,479 @@
+"""Trace-driven cluster simulator (paper §4-5): the policy's second driver, on a virtual clock.
+
+Two pools, prefill and decode (P/D disaggregation, §5.1), each scaled by its own
+:class:`orchestrator.policy.Policy` every epoch from an :class:`orchestrator.window.
+ObservationWindow` and routed by the pure :mod:`router.routing` table the policy produces (the
+live controller uses the same three). Every vPod runs simulated engines (:mod:`sim`) on the
+step-cost table of its allocation; a pipeline-parallel vPod runs PP virtual engines, as vLLM
+does (:mod:`orchestrator.cluster.fleet`).
+
+Time advances in slices of ``sample_s`` (10 s): life-cycle transitions; arrivals of the slice
+are routed (least-loaded vPod of the request's group, by outstanding tokens) and submitted at
+their exact arrival times; prefill engines advance to the slice end; finished prefills move
+their KV to a decode vPod over DCN and join it when the transfer ends; decode engines advance;
+the slice's per-bucket token rates and per-group queues go into the window. Requests routed to
+a group with no ready vPod wait at the router. Every ``epoch_s`` the policies plan; the plan
+acts 2-5 s later (Table 3's statistics query) and make-before-break
+(:func:`router.routing.make_before_break`).
+
+Output-length prediction (§5.1): with probability ``accuracy`` a request is routed to the decode
+group of its true total length, else to a random group whose best-fit length is not shorter.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from dse.catalog import Catalog, default_catalog
+from dse.costmodel import Parallelism
+from dse.db import BestFitDB
+from dse.errors import NeuScaleError
+from dse.models import ModelArch
+from dse.vpod import VPodState
+from router.routing import (MIGRATE_FACTOR, RoutingTable, bucket_indices, least_loaded,
+                            make_before_break, should_migrate)
+from sim.lifecycle import STATS_QUERY_S
+from sim.stepcost import StepCostTable
+from sim.vpod import engine_batch
+
+from ..policy import Action, ActionKind, Plan, Policy, PolicyConfig, PolicyState, VPodRecord
+from ..window import ObservationWindow, chips_in_use
+from .accounting import Migration, SimResult, bin_minutes, phase_reports
+from .fleet import Alloc, Fleet, SimVPod, load
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    accuracy: float = 0.6        # §5.1: output-length prediction accuracy
+    quotas: Mapping[str, int] = field(default_factory=dict)   # chips per version; absent: no limit
+    seed: int = 0
+    max_batched_tokens: int = 8192
+    warm_start: bool = True      # first plan at t=0 from the trace's first epoch
+    cache_tables: bool = True    # keep step-cost tables on disk (next to the XLA-fit cache)
+    make_before_break: bool = True   # off: route to a new group as soon as it is planned
+    # Refuse traces longer than this: each simulated 10 s costs a loop iteration whether or not
+    # anything happens (a week: the longest real trace we know, the 2024 Azure week).
+    max_span_s: float = 7 * 86400.0
+
+
+class _Requests:
+    """The trace in arrival order, as Python lists for per-request scalar access, and what
+    happens to each request."""
+
+    def __init__(self, db: BestFitDB, arrival_s, input_tokens, output_tokens):
+        n = len(arrival_s)
+        if n == 0:
+            raise NeuScaleError("the trace has no requests")
+        order = np.argsort(arrival_s, kind="stable")
+        self.arr = np.asarray(arrival_s, np.float64)[order]
+        self.inp = np.asarray(input_tokens, np.int64)[order]
+        self.out = np.asarray(output_tokens, np.int64)[order]
+        if (self.inp < 1).any() or (self.out < 1).any():
+            raise NeuScaleError("every request needs >= 1 input and >= 1 output token")
+        self.pre_bucket = bucket_indices(db.edges, self.inp)
+        self.tot_bucket = bucket_indices(db.edges, self.inp + self.out)
+        # longer than the largest bucket: no allocation of the DB holds it. Dropped on
+        # arrival (never served, an SLO miss in both phases) and kept out of the load the
+        # policy sees, so it drives no scaling.
+        longest = db.edges[-1]
+        self.servable = (self.inp <= longest) & ((self.out <= 1) |
+                                                 (self.inp + self.out <= longest))
+        self.servable_l = self.servable.tolist()
+        self.slo_p = np.asarray(db.meta["slo_s"]["prefill"])[self.pre_bucket]
+        self.slo_d = np.asarray(db.meta["slo_s"]["decode"])[self.tot_bucket]
+        self.arr_l, self.inp_l, self.out_l = self.arr.tolist(), self.inp.tolist(), self.out.tolist()
+        self.pb, self.tb = self.pre_bucket.tolist(), self.tot_bucket.tolist()
+        self.ttft = np.full(n, np.nan)
+        self.tpot = np.full(n, np.nan)
+        self.dec_start = np.full(n, np.nan)      # first decode token available
+        self.dec_end = np.full(n, np.nan)
+        # each request's share of the energy of the engine steps it was in (Fig. 19c)
+        self.energy_j = {"prefill": np.zeros(n), "decode": np.zeros(n)}
+
+
+class ClusterSim:
+    def __init__(self, arch: ModelArch, db: BestFitDB, policies: Mapping[str, Policy],
+                 config: ClusterConfig = ClusterConfig(), catalog: Catalog | None = None):
+        self.arch, self.db, self.cfg = arch, db, config
+        self.catalog = catalog or default_catalog()
+        self.policies = dict(policies)
+        for pol in self.policies.values():     # the coalescing SLO check asks the chip model
+            if getattr(pol, "latency_fn", False) is None:
+                pol.latency_fn = self.latency_of
+        self.rng = np.random.default_rng(config.seed)
+        self._tables: dict[Alloc, StepCostTable] = {}
+        self.fleet = Fleet(arch, self.catalog, self.rng, self.table, config.max_batched_tokens)
+        self._kv_bytes = arch.kv_bytes_per_token()
+        self._draws: list[float] = []
+
+    # ---- allocations --------------------------------------------------------------------------
+    def table(self, alloc: Alloc) -> StepCostTable:
+        t = self._tables.get(alloc)
+        if t is None:
+            from dse.cache import cache_path
+            from sim.chip import ChipModel
+            chip, topo, tp, pp, ep = alloc
+            cm = ChipModel.of(self.arch, self.catalog, chip, topo, tp, pp, ep)
+            cache = cache_path("stepcost") if self.cfg.cache_tables else None
+            t = self._tables[alloc] = StepCostTable(cm, cache_dir=cache)
+        return t
+
+    def latency_of(self, spec, phase: str, length: int) -> float:
+        """TTFT (prefill: a virtual engine's full batch of ``length``-token prompts in one step)
+        or TPOT (decode: its full batch at KV ``length``) of a group's allocation on the chip
+        model: the policy's latency oracle."""
+        e = spec.entry
+        t = self.table((e.chip, e.topology, e.tp, e.pp, e.ep))
+        b, n = float(engine_batch(e.max_batch, e.pp)), float(length)
+        if phase == "prefill":
+            return t.step1(b * n, b * n * (n + 1) / 2, 0.0, 0.0)[0]
+        return t.step1(0.0, 0.0, b, b * n)[0]
+
+    # ---- run ----------------------------------------------------------------------------------
+    def run(self, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray,
+            progress: Callable[[float], None] | None = None) -> SimResult:
+        self.req = req = _Requests(self.db, arrival_s, input_tokens, output_tokens)
+        span_s = float(req.arr[-1])
+        if span_s > self.cfg.max_span_s:
+            raise NeuScaleError(
+                f"the trace spans {span_s / 86400:,.1f} days, more than the "
+                f"{self.cfg.max_span_s / 86400:g}-day limit (every simulated 10 s costs a "
+                "step): cut a window (--start, --hours), check --rate-scale, or raise --max-span")
+        self._start(req)
+        if self.cfg.warm_start:
+            self._warm_start(req)
+        end = float(req.arr[-1]) + 1.0
+        t, i, k = 0.0, 0, 0
+        while t < end or self._busy():
+            t_next = t + self.dt
+            self.fleet.advance(t_next)
+            self._route_tables(t_next)
+            i = self._arrivals(i, t_next)
+            self._flush()
+            self._advance_engines(t_next)
+            self._sample()
+            k += 1
+            t = t_next
+            if k % self._minute_every == 0:
+                self._snapshot(t)
+            # a controller that starts cold plans as soon as it has seen traffic
+            if (k % self._epoch_every == 0 and t < end) or \
+                    (self._unrouted and self._routing["prefill"] is None):
+                self._epoch(t)
+                self._route_unrouted()
+            if progress:
+                progress(t)
+            if t > end + 86400:
+                raise NeuScaleError("simulation does not drain: requests larger than any vPod?")
+        return self._result(t)
+
+    def _start(self, req: _Requests) -> None:
+        pcfg = self.cfg.policy
+        self.dt = pcfg.sample_s
+        nb = len(self.db.edges)
+        self.window = ObservationWindow(nb, pcfg)
+        self._epoch_every = self.window.epoch_samples
+        self._minute_every = max(1, int(round(60.0 / self.dt)))
+        self._cur_p = np.zeros(nb)
+        self._cur_d = [0.0] * nb
+        self._states = {ph: PolicyState() for ph in PHASES}
+        self._routing: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
+        self._planned: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
+        self._held: dict[str, float] = {}     # vPods of evicted groups still routed to
+        self._cands: list = []
+        self._router_q: dict[tuple[str, str], list] = {}
+        self._unrouted: list[int] = []
+        self._segments: dict[int, list] = {}
+        self.migrations: list[Migration] = []
+        self.timeline: list[dict[str, Any]] = []
+        self.minutes: list[dict[str, Any]] = []
+        self._last_energy: dict[str, float] = {}
+
+    def _warm_start(self, req: _Requests) -> None:
+        """The first plan sees the trace's first epoch (a running service): its vPods are
+        already up at t = 0."""
+        epoch_s = self.cfg.policy.epoch_s
+        first = (req.arr < epoch_s) & req.servable
+        nb = len(self.db.edges)
+        for ph, b, tok in (("prefill", req.pre_bucket, req.inp),
+                           ("decode", req.tot_bucket, req.out)):
+            s = np.bincount(b[first], weights=tok[first], minlength=nb) / epoch_s
+            self.window.prime(ph, s, self._epoch_every)
+        self._epoch(0.0, warm=True)
+        for v in self.fleet.vpods.values():
+            v.created_s -= v.ready_s     # already running at t = 0
+            v.ready_s = 0.0
+
+    def _busy(self) -> bool:
+        """Engines still working, or requests queued at the router for a group whose vPods are
+        still starting (after the trace ends, the run waits for them; requests for a group that
+        gets no vPod at all, e.g. no quota and no fail-over chip, are never served and count
+        as dropped)."""
+        if any(v.engine is not None and not v.engine.idle for v in self.fleet.active):
+            return True
+        starting = self.fleet.starting_groups()
+        return any(lst and key in starting for key, lst in self._router_q.items())
+
+    def _arrivals(self, i: int, t_next: float) -> int:
+        """Route the slice's arrivals to prefill; returns the index of the next arrival."""
+        req = self.req
+        j = int(np.searchsorted(req.arr, t_next, side="left"))
+        self._cur_p = np.bincount(req.pre_bucket[i:j], weights=req.inp[i:j] * req.servable[i:j],
+                                  minlength=len(self.db.edges))
+        ok = req.servable_l
+        table = self._routing["prefill"]
+        if table is None:                 # cold start: nothing planned yet
+            self._unrouted.extend(r for r in range(i, j) if ok[r])
+        else:
+            groups, pb, arr_l, inp_l = table.groups, req.pb, req.arr_l, req.inp_l
+            for r in range(i, j):
+                if ok[r]:
+                    self._submit("prefill", groups[pb[r]], r, arr_l[r], inp_l[r], 1)
+        return j
+
+    def _route_unrouted(self) -> None:
+        table, req = self._routing["prefill"], self.req
+        for r in self._unrouted:
+            self._submit("prefill", table.groups[req.pb[r]], r, req.arr_l[r], req.inp_l[r], 1)
+        self._unrouted = []
+
+    def _advance_engines(self, t_next: float) -> None:
+        active = self.fleet.active
+        for v in active:
+            if v.engine is not None and v.phase == "prefill":
+                self._prefill_done(v, v.engine.advance_to(t_next))
+        for v in active:
+            if v.engine is not None and v.phase == "decode":
+                self._decode_done(v, v.engine.advance_to(t_next))
+
+    def _sample(self) -> None:
+        """The slice's token rates per bucket and the queues per group, into the window."""
+        w, dt = self.window, self.dt
+        w.record("prefill", self._cur_p / dt)
+        w.record("decode", np.asarray(self._cur_d) / dt)
+        self._cur_d = [0.0] * len(self.db.edges)
+        for v in self.fleet.active:
+            if v.engine is not None:
+                w.note_queue(v.phase, v.group, v.engine.num_waiting)
+        for (ph, g), lst in self._router_q.items():
+            w.note_queue(ph, g, len(lst))
+
+    # ---- requests -----------------------------------------------------------------------------
+    def _prefill_done(self, v: SimVPod, done: list) -> None:
+        """Prefilled requests: TTFT, then (output > 1) their KV goes to a decode vPod."""
+        req = self.req
+        ttft, tpot, inp_l, out_l, arr_l = req.ttft, req.tpot, req.inp_l, req.out_l, req.arr_l
+        e_pre = req.energy_j["prefill"]
+        for q in done:
+            r = q.req_id
+            x, y = inp_l[r], out_l[r]
+            v.outstanding -= x
+            ttft[r] = q.finish_s - arr_l[r]
+            e_pre[r] = q.energy_j
+            if y <= 1:
+                tpot[r] = 0.0
+                continue
+            self._cur_d[req.tb[r]] += y
+            segs = self._decode_segments(x, y)
+            at = q.finish_s + v.kv_transfer_s(x, self._kv_bytes)
+            req.dec_start[r] = at
+            g, m_end = segs[0]
+            if len(segs) > 1:
+                self._segments[r] = segs
+            self._submit("decode", g, r, at, x, m_end)
+
+    def _decode_done(self, v: SimVPod, done: list) -> None:
+        """Finished decode segments: the request's next segment (a migration), or its TPOT."""
+        req = self.req
+        e_dec = req.energy_j["decode"]
+        for q in done:
+            r = q.req_id
+            v.outstanding -= q.output_tokens
+            e_dec[r] += q.energy_j
+            segs = self._segments.get(r)
+            if segs is not None and len(segs) > 1:
+                m0 = segs[0][1]                   # tokens generated when it leaves
+                segs.pop(0)
+                g, m1 = segs[0]
+                kv = req.inp_l[r] + m0 - 1
+                self.migrations.append(Migration(r, v.group, g, kv + 1, q.finish_s))
+                self._submit("decode", g, r, q.finish_s + v.kv_transfer_s(kv, self._kv_bytes),
+                             kv, m1 - m0 + 1)
+                continue
+            self._segments.pop(r, None)
+            req.tpot[r] = (q.finish_s - req.dec_start[r]) / (req.out_l[r] - 1)
+            req.dec_end[r] = q.finish_s
+
+    def _draw(self) -> float:
+        """A uniform for a routing decision (drawn in blocks of 4096)."""
+        u = self._draws
+        if not u:
+            u.extend(self.rng.random(4096).tolist())
+        return u.pop()
+
+    def _decode_segments(self, inp: int, out: int) -> list[tuple[str, int]]:
+        """Where a request decodes: [(group, tokens generated when it leaves), ...].
+
+        The output length is predicted right with probability ``accuracy`` (§5.1), else the
+        request goes to a random group whose best-fit length is not shorter than its current
+        length. At every bucket boundary the remaining length is re-predicted (right with the
+        same probability; a wrong estimate is taken to say nothing beyond the current length)
+        and the router's migration rule (:func:`router.routing.should_migrate`) may move it on
+        (§3.4)."""
+        table = self._routing["decode"]
+        total = inp + out
+        g = table.group_for_length(total)
+        acc = self.cfg.accuracy
+        if self._draw() >= acc:
+            cands = self._cands
+            lo = bisect_left(cands, (inp + 1,))
+            if lo < len(cands):
+                g = cands[lo + min(int(self._draw() * (len(cands) - lo)), len(cands) - lo - 1)][1]
+        if total <= MIGRATE_FACTOR * table.best_len.get(g, 0):   # nothing can pass 2x
+            return [(g, out)]
+        segs = []
+        length = table.next_boundary(inp + 1)      # it decodes from inp + 1 tokens on
+        while length is not None and length < total:          # enters the next bucket
+            est = total if self.rng.random() < acc else length
+            tgt = should_migrate(table, g, length, est)
+            if tgt is not None and tgt != g:
+                segs.append((g, length - inp))
+                g = tgt
+                if total <= MIGRATE_FACTOR * table.best_len.get(g, 0):
+                    break
+            length = table.next_boundary(length)
+        segs.append((g, out))
+        return segs
+
+    def _submit(self, phase: str, group: str, r: int, at_s: float, inp: int, out: int) -> None:
+        vs = self.fleet.ready_by.get((phase, group))
+        if not vs:
+            self._router_q.setdefault((phase, group), []).append((at_s, r, inp, out))
+            return
+        v = vs[0] if len(vs) == 1 else least_loaded(vs, load)
+        tokens = inp if phase == "prefill" else out
+        v.outstanding += tokens
+        try:
+            v.engine.submit(r, at_s, inp, out)
+        except ValueError:      # larger than this vPod's KV cache: dropped (an SLO miss)
+            v.outstanding -= tokens
+
+    def _flush(self) -> None:
+        """Requests parked at the router go to their group once it has a ready vPod."""
+        rq = self._router_q
+        for (ph, g), lst in list(rq.items()):
+            if lst and self.fleet.ready_by.get((ph, g)):
+                rq[(ph, g)] = []
+                for at_s, r, inp, out in lst:
+                    self._submit(ph, g, r, at_s, inp, out)
+
+    # ---- epochs: observe, plan, act -----------------------------------------------------------
+    def _epoch(self, now: float, warm: bool = False) -> None:
+        # the statistics are read at ``now``; the controller gets them 2-5 s later (Table 3)
+        # and its actions start then (the plan itself takes milliseconds)
+        act = now if warm else now + float(self.rng.uniform(*STATS_QUERY_S))
+        fleet = self.fleet
+        for ph, pol in self.policies.items():
+            inv = [VPodRecord(v.id, v.group, v.chip, v.topology, v.num_chips, v.state, v.failover,
+                        v.throughput_tok_per_s, v.max_batch)
+                   for v in fleet.active if v.phase == ph and v.delete_at_s is None
+                   and v.state in (VPodState.STARTING, VPodState.READY)]
+            obs = self.window.observe(ph, now, inv, self.cfg.quotas,
+                                      chips_in_use(fleet.chips_held()))
+            plan = pol.plan(obs, self._states[ph])
+            self._states[ph] = plan.state
+            self._planned[ph] = plan.routing
+            self._act(ph, plan, act)
+            self.timeline.append({"t_s": now, "phase": ph, "target": dict(plan.target),
+                                  "actions": len(plan.actions)})
+        self.window.end_epoch()
+        fleet.index_ready()
+        self._route_tables(now)
+
+    def _act(self, phase: str, plan: Plan, at_s: float) -> None:
+        """Carry out a plan's vPod actions from ``at_s`` on."""
+        fleet = self.fleet
+        planned_groups = set(plan.routing.groups)
+        for a in plan.actions:
+            if a.kind == ActionKind.CREATE:
+                self._create(phase, a, at_s, plan.groups[a.group].entry)
+            elif a.kind == ActionKind.DELETE and a.vpod_id in fleet.vpods:
+                v = fleet.vpods[a.vpod_id]
+                if v.group not in planned_groups:     # an evicted group: make before break
+                    self._held.setdefault(v.id, at_s)
+                else:
+                    fleet.release(v, at_s)
+            elif a.kind == ActionKind.REPLACE and a.vpod_id in fleet.vpods:
+                e = plan.groups[a.group].entry
+                self._create(phase, Action(ActionKind.CREATE, a.group, a.reason, e.chip,
+                                           e.topology, 1), at_s, e)
+                fleet.release(fleet.vpods[a.vpod_id], at_s)
+
+    def _create(self, phase: str, a: Action, at_s: float, best) -> None:
+        """One vPod of ``a``'s group: the group's best fit, or (fail-over) the DB entry of the
+        action's chip and topology."""
+        e = self._entry_for(phase, a.chip, a.topology) if a.failover else best
+        self.fleet.create(phase, a.group, a.chip, a.topology, Parallelism(e.tp, e.pp, e.ep),
+                          e.max_batch, e.throughput_tok_per_s, at_s, a.failover)
+
+    def _entry_for(self, phase: str, chip: str, topology: str):
+        for e in self.db.entries:
+            if e.phase == phase and e.chip == chip and e.topology == topology and e.feasible:
+                return e
+        return None
+
+    def _route_tables(self, now: float) -> None:
+        """The tables the router uses: each phase's planned table, with buckets whose new
+        group has no ready vPod yet left on their old group (router.routing.make_before_break);
+        vPods of evicted groups are released once no bucket routes to them."""
+        ready_by = self.fleet.ready_by
+        for ph, planned in self._planned.items():
+            if planned is None:
+                continue
+            old = self._routing[ph]
+            eff = planned if not self.cfg.make_before_break else make_before_break(
+                planned, old, lambda g, ph=ph: bool(ready_by.get((ph, g))))
+            if eff is not old:
+                self._routing[ph] = eff
+                if ph == "decode":     # mis-predicted requests pick among these (by length)
+                    self._cands = sorted((eff.best_len.get(g, 0), g) for g in set(eff.groups))
+        if self._held:
+            used = {(ph, g) for ph, t in self._routing.items() if t is not None
+                    for g in set(t.groups)}
+            for vid in list(self._held):
+                v = self.fleet.vpods[vid]
+                if (v.phase, v.group) not in used or \
+                        v.state not in (VPodState.STARTING, VPodState.READY):
+                    self.fleet.release(v, max(self._held.pop(vid), now))
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def _snapshot(self, t: float) -> None:
+        """One row per minute and phase: vPods per group (ready) and the energy used in the
+        minute (engines' energy up to their clocks); requests finished in the minute and the
+        share that met the SLO are added from the finish times at the end."""
+        for ph in PHASES:
+            groups = self.fleet.ready_per_group(ph)
+            energy = self.fleet.phase_energy_j(ph, t)
+            prev = self._last_energy.get(ph, 0.0)
+            self._last_energy[ph] = energy
+            self.minutes.append({"t_s": t, "phase": ph, "vpods": groups,
+                                 "energy_j": energy - prev})
+
+    def _result(self, t_end: float) -> SimResult:
+        req = self.req
+        reports = phase_reports(self.fleet, t_end, req.arr, req.inp, req.out, req.ttft,
+                                req.tpot, req.slo_p, req.slo_d, len(self.migrations))
+        multi = req.out > 1
+        bin_minutes(self.minutes, {"prefill": req.arr + req.ttft, "decode": req.dec_end},
+                    {"prefill": req.ttft <= req.slo_p,
+                     "decode": (req.tpot <= req.slo_d) & multi})
+        return SimResult(reports, req.arr, req.inp, req.out, req.ttft, req.tpot, req.energy_j,
+                         self.timeline, self.minutes, self.migrations,
+                         list(self.fleet.vpods.values()), t_end)

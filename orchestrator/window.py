@@ -1,0 +1,82 @@
+"""The observation window (paper §3.4): what both drivers of the policy have seen lately.
+
+Every ``sample_s`` (10 s) a driver records, per phase, the token rate of each sequence bucket
+(prefill: input tokens that arrived, decode: output tokens ordered) and notes the queues it sees
+(requests waiting in engines or at the router, per group); at each epoch it asks for an
+:class:`~orchestrator.policy.Observation`: the last ``window_s`` of samples, the peak queue per
+group since the previous epoch, the inventory and the chips left under each quota. The cluster
+simulator records virtual-time slices, the live controller wall-clock ones; the policy cannot
+tell them apart.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from .policy import Observation, PolicyConfig, VPodRecord
+
+PHASES = ("prefill", "decode")
+
+
+class ObservationWindow:
+    """A ring of the last ``window_s / sample_s`` rate samples per phase and bucket, plus the
+    peak queue per group since the last epoch."""
+
+    def __init__(self, num_buckets: int, config: PolicyConfig = PolicyConfig()):
+        self.num_buckets = num_buckets
+        self.size = int(round(config.window_s / config.sample_s))
+        self.epoch_samples = int(round(config.epoch_s / config.sample_s))
+        self._ring = {ph: np.zeros((self.size, num_buckets)) for ph in PHASES}
+        self._filled = {ph: 0 for ph in PHASES}
+        self.peak_queue: dict[str, dict[str, int]] = {ph: {} for ph in PHASES}
+
+    def record(self, phase: str, token_rates: np.ndarray) -> None:
+        """One sample: tokens/s per bucket over the last ``sample_s``."""
+        k = self._filled[phase]
+        self._ring[phase][k % self.size] = token_rates
+        self._filled[phase] = k + 1
+
+    def prime(self, phase: str, token_rates: np.ndarray, samples: int) -> None:
+        """Start from ``samples`` identical samples (a warm start: a service already running
+        at these rates)."""
+        for _ in range(samples):
+            self.record(phase, token_rates)
+
+    def note_queue(self, phase: str, group: str, depth: int) -> None:
+        pq = self.peak_queue[phase]
+        if depth > pq.get(group, 0):
+            pq[group] = depth
+
+    def samples(self, phase: str) -> np.ndarray:
+        """The window's samples, oldest first: shape (samples, buckets)."""
+        k, r = self._filled[phase], self._ring[phase]
+        return r[:k] if k < self.size else np.roll(r, -(k % self.size), axis=0)
+
+    def observe(self, phase: str, now_s: float, inventory: list[VPodRecord],
+                quotas: Mapping[str, int], used_chips: Mapping[str, int]) -> Observation:
+        """The policy's input for ``phase``: per bucket with traffic its samples, the inventory,
+        the peak queues since the last :meth:`end_epoch` and the chips left under each quota
+        (chip versions without a quota are unlimited)."""
+        s = self.samples(phase)
+        rates = {b: s[:, b] for b in range(s.shape[1]) if s[:, b].any()}
+        return Observation(now_s, rates, inventory, self.peak_queue[phase],
+                           available_chips(quotas, used_chips))
+
+    def end_epoch(self) -> None:
+        """The queues are peaks per epoch: start the next one."""
+        self.peak_queue = {ph: {} for ph in PHASES}
+
+
+def available_chips(quotas: Mapping[str, int], used_chips: Mapping[str, int]) -> dict[str, int]:
+    """Chips left per version under its quota (versions without a quota are absent)."""
+    return {c: q - used_chips.get(c, 0) for c, q in quotas.items()}
+
+
+def chips_in_use(vpods: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """Chips held per version by ``(chip, num_chips)`` pairs (every vPod not released yet)."""
+    used: dict[str, int] = {}
+    for chip, n in vpods:
+        used[chip] = used.get(chip, 0) + n
+    return used

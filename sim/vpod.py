@@ -1,0 +1,78 @@
+"""The engines of one simulated vPod, as vLLM runs them: one engine, or ``pp`` pipeline virtual
+engines (:class:`sim.stepcost.PipelineShare`) for a pipeline-parallel vPod, each taking
+``ceil(B / min(B, pp))`` sequences (the DSE's micro-batch). The cluster simulator and the
+simulated backend both build a vPod's engines here."""
+
+from __future__ import annotations
+
+from .fastengine import DecodeEngine, PrefillEngine
+from .stepcost import PipelineShare, StepCostTable
+
+
+class VPodEngines:
+    """The engines of one vPod; a request goes to the one with the fewest unfinished
+    requests."""
+
+    def __init__(self, engines: list):
+        self.engines = engines
+        self.loads = [0] * len(engines)
+
+    def submit(self, req_id, arrival_s: float, prompt: int, output: int):
+        loads = self.loads
+        k = 0 if len(loads) == 1 else loads.index(min(loads))
+        r = self.engines[k].submit(req_id, arrival_s, prompt, output)
+        loads[k] += 1
+        return r
+
+    def advance_to(self, t_s: float) -> list:
+        if len(self.engines) == 1:
+            out = self.engines[0].advance_to(t_s)
+            self.loads[0] -= len(out)
+            return out
+        out = []
+        for k, e in enumerate(self.engines):
+            done = e.advance_to(t_s)
+            if done:
+                self.loads[k] -= len(done)
+                out += done
+        return out
+
+    def next_event_time(self) -> float | None:
+        times = [t for e in self.engines if (t := e.next_event_time()) is not None]
+        return min(times) if times else None
+
+    @property
+    def idle(self) -> bool:
+        return all(e.idle for e in self.engines)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(e.num_waiting for e in self.engines)
+
+    @property
+    def num_running(self) -> int:
+        return sum(e.num_running for e in self.engines)
+
+    @property
+    def now_s(self) -> float:
+        return max(e.now_s for e in self.engines)
+
+    def energy_j(self) -> float:
+        return sum(e.energy_j() for e in self.engines)
+
+
+def engine_batch(max_batch: int, pp: int) -> int:
+    """Sequences per virtual engine of a PP vPod: the DSE splits a batch of B into
+    m = min(B, pp) micro-batches (``dse.costmodel``), one per virtual engine."""
+    return -(-max_batch // min(max_batch, pp))
+
+
+def vpod_engines(table: StepCostTable, phase: str, max_batch: int, pp: int,
+                 max_batched_tokens: int, start_s: float) -> VPodEngines:
+    """A vPod's prefill or decode engines on its allocation's step-cost table, up at
+    ``start_s``."""
+    cost = table if pp == 1 else PipelineShare(table, pp)
+    cls = PrefillEngine if phase == "prefill" else DecodeEngine
+    return VPodEngines([cls(cost, max_batch=engine_batch(max_batch, pp),
+                            max_batched_tokens=max(max_batched_tokens, max_batch),
+                            start_s=start_s) for _ in range(pp)])

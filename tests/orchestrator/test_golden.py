@@ -1,0 +1,53 @@
+"""The simulator's answers do not move when code moves: `orchestrator simulate --json` on short
+windows of shared traces against outputs the code produced before the layout change
+(tests/data/golden, made by the pre-refactor tree on a database built like the session's
+llama3-8b one). Integers and strings must match exactly; floats to 1e-9 relative (the
+database is rebuilt on each machine: XLA's counts and the fits may differ in the last bits, and
+pricing is one formula now, which rounds differently in the last bit)."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import main
+
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"
+CASES = {
+    "simulate_conv_policies": ["--trace", "azure-conv-2023", "--hours", "0.1", "--policy",
+                               "neuscale,base,multipool:4", "--seed", "3", "--accuracy", "0.2"],
+    "simulate_mooncake_quota": ["--trace", "mooncake", "--hours", "0.05", "--quota",
+                                "v6e=2,v5p=4", "--policy", "neuscale", "--seed", "5"],
+}
+
+
+def same(a, b, path=""):
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(a), sorted(b))
+        for k in a:
+            same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and not isinstance(b, bool):
+        assert isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), \
+            (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_simulate_json_matches_the_golden_output(name, llama8b_db, capsys):
+    args = ["simulate", "--model", "llama3-8b", "--db", str(llama8b_db[1]), "--json",
+            *CASES[name]]
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)
+    same(json.loads((GOLDEN / f"{name}.json").read_text()), got)
+
+
+def test_the_comparison_notices_a_change():
+    with pytest.raises(AssertionError):
+        same({"x": 1.0, "n": 3}, {"x": 1.0 + 1e-6, "n": 3})
+    with pytest.raises(AssertionError):
+        same({"n": 3}, {"n": 4})
