@@ -63,6 +63,11 @@ steps ``s_i + m*block_tokens`` (``s_i = b_i*block_tokens - kv_i``, ``m = 0, 1, .
 order, ``sorted(s)[F % n] + (F // n) * block_tokens``. ``exact=True`` runs the same schedule one
 step per Python iteration (the reference the fast path is tested against).
 
+*Abort.* ``abort(record)`` takes a request out at the engine's clock (a client went away, as
+vLLM aborts it): out of the queue, or out of the batch with its KV blocks freed; the steps
+already run stay (its tokens and their energy are counted), the steps from the clock on are
+planned without it, and it is never reported as finished.
+
 *Accounting.* Energy = the steps' energies + static power x chips over swap time and idle time.
 Chip-seconds = chips x elapsed time since ``start_s`` (the time the vPod came up, default 0;
 ``None``: the first request's arrival). Busy time includes swap time.
@@ -290,6 +295,14 @@ class SimEngine(Protocol):
     def run_until_idle(self) -> Sequence[RequestTimes]:
         ...
 
+    def abort(self, r: RequestTimes) -> bool:
+        """Take ``r`` (a record ``submit`` returned) out of the engine at its clock, as vLLM
+        aborts a request whose client went away: it leaves the arrival heap, the waiting queue
+        or the running batch (its KV blocks freed), the steps from the clock on are planned
+        without it, and it is never reported as finished. False when ``r`` is not in the
+        engine (finished, aborted before, or another engine's)."""
+        ...
+
     @property
     def idle(self) -> bool:
         ...
@@ -443,6 +456,24 @@ class EngineBase(KVBlocks):
             else:
                 wait.append(r)
 
+    def _drop_queued(self, r: Any) -> str | None:
+        """Take ``r`` out of the waiting queue (``"waiting"``) or the arrival heap
+        (``"pending"``); None when it is in neither. O(queued requests): for aborts only."""
+        wait = self._waiting
+        for i, x in enumerate(wait):
+            if x is r:
+                del wait[i]
+                return "waiting"
+        pend = self._pending
+        for i, e in enumerate(pend):
+            if e[2] is r:
+                last = pend.pop()
+                if i < len(pend):
+                    pend[i] = last
+                    heapq.heapify(pend)
+                return "pending"
+        return None
+
     def _finish(self, r: Any, now_s: float) -> None:
         """``r`` finished at ``now_s``: report it (its KV blocks are the caller's business)."""
         r.finish_s = now_s
@@ -572,6 +603,25 @@ class Engine(EngineBase):
         :meth:`EngineBase._event_time`)."""
         run = self._current_run() if self._clock_s is not None else None
         return self._event_time(None if run is None else float(run.ends_s[run.k - 1]))
+
+    def abort(self, r: Request) -> bool:
+        """Take ``r`` out of the engine at its clock (see :meth:`SimEngine.abort`): a running
+        request gives back its KV blocks; the cached step run is dropped (plans are side-effect
+        free, and steps already applied stay), so the next step is planned at the clock without
+        it. It stays in :attr:`requests`, unfinished. O(requests in the engine)."""
+        if r.finish_s is not None or self._requests.get(r.req_id) is not r:
+            return False
+        run = self._running
+        for i, x in enumerate(run):
+            if x is r:
+                del run[i]
+                self._release(r)
+                break
+        else:
+            if self._drop_queued(r) is None:
+                return False
+        self._step_run = None
+        return True
 
     @property
     def requests(self) -> dict[Hashable, Request]:

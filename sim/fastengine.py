@@ -27,6 +27,11 @@ out) walks the running list as the reference does; it is rare.
 the prompt's KV blocks allow); a request is handed off at the end of the step that processes its
 last prompt token. Work per step is O(requests in the step).
 
+*Abort* (a client went away: :meth:`PrefillEngine.abort`, :meth:`DecodeEngine.abort`) is rare
+and does its work itself, O(requests in the engine): the request leaves the queue, or the batch
+at the engine's clock (its blocks and counts given back), and the planned step or run of steps
+is planned again from the clock; nothing on the stepping paths looks for aborted requests.
+
 Times, energy and the idle accounting follow :class:`sim.engine.Engine` (static power over idle
 time, swap time charged to the step that swaps); both engines satisfy
 :class:`sim.engine.SimEngine` and share its counters, stats and KV-block accounting
@@ -116,6 +121,35 @@ class PrefillEngine(_FastBase):
         if self._next is not None and r.arrival_s <= self._clock_s:
             self._next = None                  # it may join the step planned at the clock
         return r
+
+    def tokens_out(self, r: FastRequest, t_s: float | None = None) -> int:
+        """Output tokens of ``r`` that exist at engine time ``t_s`` (default: the clock): 1 once
+        the step that processes its last prompt token has ended, else 0. A wall-clock driver
+        that called ``advance_to(now)`` passes ``now``: the step in progress then (it ends at
+        the clock) has not made its token yet. O(1)."""
+        f = r.finish_s
+        return 1 if f is not None and (t_s is None or f <= t_s) else 0
+
+    def abort(self, r: FastRequest) -> bool:
+        """Take ``r`` out of the engine at its clock (a client went away; see
+        :meth:`sim.engine.SimEngine.abort`). Waiting or not yet arrived: it leaves the queue.
+        Running (part of its prompt done): it leaves the batch after the step that ended at the
+        clock, giving back the blocks of its prompt; the chunks it got stay counted (tokens,
+        its energy share). The step planned at the clock is planned again (its chunks and
+        admissions may change). False when ``r`` is not in the engine. O(requests in it)."""
+        if r.finish_s is not None:
+            return False
+        run = self._running
+        for i, x in enumerate(run):
+            if x is r:
+                del run[i]                       # FCFS order of the others is kept
+                self.free += r.blocks
+                break
+        else:
+            if self._drop_queued(r) is None:
+                return False
+        self._next = None
+        return True
 
     def stats(self) -> EngineStats:
         """Counters (every cost call prices one step: ``cost_points`` is ``cost_calls``)."""
@@ -232,7 +266,7 @@ class _DecodeRun:
     they run for nearly every event of the cluster simulation."""
 
     __slots__ = ("t0", "sw", "a", "b", "ea", "eb", "k", "done", "sensitive", "room",
-                 "blocked_from", "end")
+                 "blocked_from", "end", "undo")
 
     def __init__(self, t0: float, sw: float, a: float, b: float, ea: float, eb: float, k: int):
         self.t0, self.sw, self.a, self.b, self.ea, self.eb = t0, sw, a, b, ea, eb
@@ -242,6 +276,7 @@ class _DecodeRun:
         self.room = 0                      # (sensitive) free blocks an arrival could take
         self.blocked_from = math.inf       # arrivals from here on queue behind a blocked one
         self.end = t0 + sw + k * a + b * k * (k - 1) * 0.5   # end_of(k)
+        self.undo = None                   # (swap owed, last tag, victims) before planning
 
     def cut(self, k: int) -> None:
         """Keep only the first ``k`` steps."""
@@ -331,6 +366,98 @@ class DecodeEngine(_FastBase):
         else:
             run.cut(k)
 
+    def tokens_out(self, r: FastRequest, t_s: float | None = None) -> int:
+        """Output tokens of ``r`` that exist at engine time ``t_s`` (default: the clock), the
+        first one (which came with the request) included: ``output_tokens`` once finished,
+        ``g + D`` while running, ``gen`` while waiting, swapped out or not yet arrived. The
+        last step applied ends at the clock: a ``t_s`` before it (a wall-clock driver that
+        called ``advance_to(now)`` passes ``now``) does not see that step's token yet. (A
+        request preempted at the clock counts the token of the step in progress.) O(1)."""
+        late = t_s is not None and t_s < self._clock_s
+        if r.finish_s is not None:
+            if late and r.finish_s > t_s:
+                return max(r.output_tokens - 1, 1)
+            return r.output_tokens
+        if r.tag:                                # running: admitted at step gen - g
+            n = r.g + self.D
+            return n - 1 if late and n > r.gen else n
+        return r.gen
+
+    def abort(self, r: FastRequest) -> bool:
+        """Take ``r`` out of the engine at its clock (a client went away; see
+        :meth:`sim.engine.SimEngine.abort`); False when ``r`` is not in the engine.
+
+        Running: it leaves the batch at step D (the steps applied so far stay, with its tokens
+        and its share of their energy): :meth:`_stop_r` gives back its blocks (KV ``o + D``) and
+        takes it out of the residue counts ``cnt``, ``sum_o`` and ``n``, its finish-heap entry
+        goes stale as a preempted request's does. Waiting (swapped out or not) or not yet
+        arrived: it leaves the queue. The cached run of steps is then cut where it no longer
+        holds (:meth:`_drop_run`): always after a running request left (its remaining steps
+        were priced for the larger batch); after a waiting one when it headed the queue (the
+        next may fit now) or when nothing of the run has been applied yet; after a future
+        arrival only when it cut or blocked an arrival-sensitive run. O(requests in it)."""
+        if r.finish_s is not None:
+            return False
+        run = self._step_run
+        if r.tag and self._running.get(r.tag) is r:
+            r.gen = r.g + self.D                 # what tokens_out() says from now on
+            r.kv = self._stop_r(r)
+            replan = True
+        else:
+            wait = self._waiting
+            head = bool(wait) and wait[0] is r
+            where = self._drop_queued(r)
+            if where is None:
+                return False
+            if run is None:
+                return True
+            if where == "waiting":
+                replan = head or run.done == 0
+            else:
+                replan = (run.sensitive and r.arrival_s <= run.blocked_from
+                          and r.arrival_s <= run.end)
+        if replan and run is not None:
+            self._drop_run(run, r)
+        return True
+
+    def _drop_run(self, run: _DecodeRun, gone: FastRequest) -> None:
+        """Forget the cached ``run``: the next step (at the clock, step D) is planned again.
+        When none of its steps has been applied yet, what its planning did at the clock is
+        taken back first (``run.undo``), so that the new plan is the one the engine would have
+        made without ``gone``: the swap time owed then is owed again, the requests admitted
+        (the newest tags) go back to the head of the queue (swapped out if they were) and the
+        victims of a preemption go back to the end of the batch in their order with the same
+        KV (their finish-heap entries are renewed, the old ones go stale), their preemptions
+        uncounted. ``gone`` (just aborted; it may be one of those) stays out. The step at the
+        clock is then planned again at once (the engine stays planned, as it was); a run
+        already under way is planned again when the engine next needs it."""
+        self._step_run = None
+        if run.done:
+            return                               # its first step paid the swap
+        if run.undo is None:                     # planning changed nothing but the swap owed
+            self._sw += run.sw
+            self._plan()
+            return
+        sw0, tag0, victims = run.undo
+        wait, D = self._waiting, self.D
+        for tag in reversed(list(self._running)):   # admission order: newest last
+            if tag <= tag0:
+                break
+            v = self._running[tag]
+            v.gen = v.g + D
+            v.kv = self._stop_r(v)
+            v.swapped = v.preemptions > 0        # a preempted request waits swapped out
+            wait.appendleft(v)
+        for v in reversed(victims or ()):        # oldest first: they head the queue
+            v.swapped = False
+            v.preemptions -= 1
+            self.preemptions -= 1
+            if v is not gone:                    # (gone has left the queue already)
+                wait.popleft()
+                self._run_r(v)
+        self._sw = sw0
+        self._plan()
+
     def next_event_time(self) -> float | None:
         """The end of the current run of steps (planning it if needed), else the next arrival,
         else None."""
@@ -413,21 +540,30 @@ class DecodeEngine(_FastBase):
         if not self.n and not self._waiting:
             return None
         need = self.cnt[(-self.D) % self.bt] if self.n else 0   # new blocks of step D
-        preempting = need > self.free
-        if preempting:
-            self._preempt()
+        undo = None                  # what planning does at the clock, for abort() (_drop_run)
+        if need > self.free:
+            sw0, tag0 = self._sw, self._tag
+            undo = (sw0, tag0, self._preempt())
         elif self._waiting:
+            sw0, tag0 = self._sw, self._tag
             self._admit(self.free - need)
+            if self._tag != tag0:
+                undo = (sw0, tag0, None)
         if not self.n:
             if self._waiting:
                 raise RuntimeError("engine stalled: work queued but nothing schedulable")
             return None
-        return self._build_run(1 if preempting else self._run_length(), need)
+        if undo is None:
+            return self._build_run(self._run_length(), need)
+        run = self._build_run(self._run_length() if undo[2] is None else 1, need)
+        run.undo = undo
+        return run
 
-    def _preempt(self) -> None:
+    def _preempt(self) -> list[FastRequest]:
         """The blocks of step D do not fit: walking the batch oldest first, swap out the newest
         admissions (possibly the sequence needing the block) until every remaining sequence
-        gets the block its token needs, as the reference engine does."""
+        gets the block its token needs, as the reference engine does. Returns the victims,
+        newest first (they head the waiting queue oldest first)."""
         D, bt = self.D, self.bt
         alive = list(self._running.values())
         free = self.free
@@ -454,6 +590,7 @@ class DecodeEngine(_FastBase):
             self.preemptions += 1
             self._sw += v.kv * self._swap_s_per_token
             self._waiting.appendleft(v)
+        return vict
 
     def _admit(self, free: int) -> None:
         """Admit waiting requests FCFS while the batch, the token budget and ``free`` blocks

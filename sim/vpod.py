@@ -37,6 +37,15 @@ class VPodEngines:
                 out += done
         return out
 
+    def abort(self, r) -> bool:
+        """Abort ``r`` (a record :meth:`submit` returned) in the engine that holds it (see
+        :meth:`sim.engine.SimEngine.abort`); False when none does (finished, aborted before)."""
+        for k, e in enumerate(self.engines):
+            if e.abort(r):
+                self.loads[k] -= 1
+                return True
+        return False
+
     def next_event_time(self) -> float | None:
         times = [t for e in self.engines if (t := e.next_event_time()) is not None]
         return min(times) if times else None
