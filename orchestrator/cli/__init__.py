@@ -3,6 +3,8 @@
     orchestrator dse ...       offline best-fit vPod database and its checks   (cli/dse.py)
     orchestrator sim ...       the per-operator chip model, one step            (cli/sim.py)
     orchestrator simulate ...  trace replay through the autoscaling policies   (cli/simulate.py)
+    orchestrator serve ...     the live stack: OpenAI gateway + controller      (cli/serve.py)
+    orchestrator status        what a running `serve` is doing                  (cli/serve.py)
 
 Every error a user can cause ends in one line ``error: ...`` on stderr and exit status 2.
 """
@@ -14,10 +16,10 @@ from typing import Sequence
 
 from dse.errors import NeuScaleError
 
-from . import dse, sim, simulate
+from . import dse, serve, sim, simulate
 from .common import Parser
 
-GROUPS = (dse, sim, simulate)
+GROUPS = (serve, dse, sim, simulate)
 
 
 def build_parser() -> Parser:

@@ -1,0 +1,550 @@
+"""The controller: the policy's wall-clock driver (paper §3.4, Fig. 12).
+
+Every ``sample_s`` it reads the gateway's counters (tokens per bucket that arrived for prefill
+and were handed to decode, requests waiting at the gateway) and the engines' ``/metrics``
+(``vllm:num_requests_waiting``) into the same :class:`~orchestrator.window.ObservationWindow`
+the cluster simulator fills; every ``epoch_s`` - and at once on an emergency (a group's queue
+beyond its batch slots) or at a cold start (traffic with no group yet) - it runs the same
+:class:`~orchestrator.policy.Policy` per phase and actuates the plan through a backend:
+creations and deletions with bounded concurrency and retries, fail-over on quota errors,
+make-before-break routing (:func:`router.routing.make_before_break`), draining before deleting,
+health checks that replace dead vPods. Its state lives in SQLite (:mod:`orchestrator.state`),
+so a controller killed at any instant reconciles with the backend on restart.
+
+Time: the data plane runs in real time (token rates are real tokens/s, comparable with the
+DB's throughputs); the control plane's clock (the policy's 10-s samples, 5-min epochs, 30-min
+window, 30-min shrink period) runs ``time_scale`` times faster, as do the backend's Table 3
+delays (the simulated backend divides them by the same factor), so a person sees scaling
+happen in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import aiohttp
+
+from backends.base import (Backend, BackendError, ConfigError, QuotaError, TransientError,
+                           VPodInfo, VPodSpec, with_retries)
+from dse.db import BestFitDB, Entry
+from dse.vpod import VPodState
+from router.gateway import Endpoint, Gateway
+from router.routing import RoutingTable, make_before_break
+
+from .policy import ActionKind, Plan, Policy, PolicyConfig, PolicyState, VPodRecord
+from .registry import PHASES
+from .state import StateStore, VPodRow
+from .window import ObservationWindow, available_chips, chips_in_use
+
+log = logging.getLogger("neuscale.controller")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    time_scale: float = 60.0            # control-plane seconds per wall second
+    cluster: str = "neuscale"           # the label that marks this cluster's vPods
+    model: str = "llama3-8b"            # what the engines serve
+    quotas: Mapping[str, int] = field(default_factory=dict)   # known chips per version
+    max_concurrent_actions: int = 8     # backend calls in flight
+    health_failures: int = 3            # consecutive failed /health -> the vPod is dead
+    orphan_grace_s: float = 600.0       # control-plane s before an unknown vPod is deleted
+    quota_memory_s: float = 1800.0      # control-plane s a learned quota limit is kept
+    drain_timeout_s: float = 1800.0     # control-plane s a drain may take before deletion
+    # Before the first request: one vPod per phase for a typical request (these input and
+    # total lengths), so the first client does not wait for a cold start; with no traffic the
+    # window forgets it and the groups are evicted like any other.
+    bootstrap: bool = True
+    bootstrap_lengths: tuple[int, int] = (1024, 1280)
+    # the engines' --max-model-len (vLLM's per-request limit of prompt + output): the model's
+    # context; a request is routed by length, not refused by a short group (it migrates)
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.time_scale > 0:
+            raise ValueError("time_scale must be > 0")
+
+
+class Controller:
+    def __init__(self, db: BestFitDB, backend: Backend, gateway: Gateway, state: StateStore,
+                 config: ControllerConfig = ControllerConfig(),
+                 policies: Mapping[str, Policy] | None = None):
+        self.db, self.backend, self.gateway, self.state = db, backend, gateway, state
+        self.cfg = config
+        self.policies = dict(policies or {ph: Policy(db, ph, config.policy) for ph in PHASES})
+        self.window = ObservationWindow(len(db.edges), config.policy)
+        self.pstate = {ph: PolicyState() for ph in PHASES}
+        self.planned: dict[str, RoutingTable | None] = {ph: None for ph in PHASES}
+        self.routing: dict[str, RoutingTable | None] = {ph: None for ph in PHASES}
+        self.vpods: dict[str, VPodRow] = {}
+        self.learned_quota: dict[str, tuple[int, float]] = {}    # chip -> (limit, since)
+        self.events: list[dict[str, Any]] = []                   # recent actions, for status
+        self._health_fail: dict[str, int] = {}
+        self._sem = asyncio.Semaphore(config.max_concurrent_actions)
+        self._tasks: set[asyncio.Task] = set()
+        t0 = state.get_meta("clock_origin")
+        if t0 is None:
+            t0 = repr(time.time())
+            state.set_meta("clock_origin", t0)
+        self._t0 = float(t0)
+        self._last_sample = time.monotonic()
+        self._last_epoch_cp = -math.inf
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._session: aiohttp.ClientSession | None = None
+        self._n = 0
+        self._log_buf: list[dict[str, Any]] = []
+
+    # ---- clocks -------------------------------------------------------------------------------
+    def now_cp(self) -> float:
+        """Control-plane time: wall seconds since the state was created x time_scale (kept
+        across restarts, so the policy's remembered times stay meaningful)."""
+        return (time.time() - self._t0) * self.cfg.time_scale
+
+    def wall(self, cp_seconds: float) -> float:
+        return cp_seconds / self.cfg.time_scale
+
+    # ---- start, run, stop ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        self._restore()
+        await self.reconcile()
+        if self.cfg.bootstrap and not self.vpods and self.planned["decode"] is None:
+            self._bootstrap()
+        self._publish()
+
+    def _bootstrap(self) -> None:
+        """One 10-s sample of 1 token/s in the buckets of a typical request, and a plan: one
+        vPod per phase starts now."""
+        from router.routing import bucket_indices
+        import numpy as np
+        nb = len(self.db.edges)
+        for ph, length in zip(PHASES, self.cfg.bootstrap_lengths):
+            s = np.zeros(nb)
+            s[int(bucket_indices(self.db.edges, np.array([length]))[0])] = 1.0
+            self.window.record(ph, s)
+        self.epoch()
+
+    def log_request(self, record: dict[str, Any]) -> None:
+        """The gateway's record of a finished request, for the served-request log (written in
+        batches each sample)."""
+        self._log_buf.append(record)
+
+    def _restore(self) -> None:
+        for v in self.state.live_vpods():
+            self.vpods[v.id] = v
+        self._n = len(self.state.vpods())
+        for ph in PHASES:
+            s = self.state.get_json(f"policy_state:{ph}")
+            if s:
+                self.pstate[ph] = _policy_state_from_json(s)
+            t = self.state.get_json(f"routing:{ph}")
+            if t:
+                self.planned[ph] = _table_from_json(t)
+
+    async def reconcile(self) -> None:
+        """Make the state and the backend agree: adopt this cluster's vPods the state knows,
+        delete unknown ones (orphans of a crash between recording and creating are younger
+        than the grace period: they are adopted if recorded, else deleted once old enough),
+        forget recorded vPods the backend does not have."""
+        listed = await with_retries(lambda: self.backend.list(
+            {"neuscale-cluster": self.cfg.cluster}))
+        have = {i.spec.id: i for i in listed}
+        for vid, row in list(self.vpods.items()):
+            info = have.get(vid)
+            if info is None or info.state == VPodState.RELEASED:
+                self._forget(row, "not found in the backend on restart")
+                continue
+            if row.state == VPodState.DRAINING:
+                self._spawn(self._drain_and_delete(row))
+            elif info.state == VPodState.READY:
+                self._mark_ready(row, info)
+            else:
+                self._spawn(self._await_ready(row))
+        for vid, info in have.items():
+            if vid in self.vpods or info.state in (VPodState.RELEASED, VPodState.DRAINING):
+                continue
+            age_cp = (time.time() - info.created_s) * self.cfg.time_scale
+            if age_cp >= self.cfg.orphan_grace_s or self._recorded_released(vid):
+                self._event("delete", vid, "orphan: this cluster's label, not in the state")
+                self._spawn(self._delete_quietly(vid))
+
+    def _recorded_released(self, vid: str) -> bool:
+        return any(v.id == vid for v in self.state.vpods([VPodState.RELEASED]))
+
+    async def run(self) -> None:
+        """Sample every ``sample_s`` (control-plane), plan every ``epoch_s`` or sooner."""
+        pcfg = self.cfg.policy
+        while not self._stopping:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.wall(pcfg.sample_s))
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if self._stopping:
+                break
+            try:
+                await self.sample()
+                due = self.now_cp() - self._last_epoch_cp >= pcfg.epoch_s
+                if due or self._urgent():
+                    self.epoch()
+            except Exception:            # a bug in one round must not stop the controller
+                log.exception("controller round failed")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.ensure_future(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # ---- observe ------------------------------------------------------------------------------
+    async def sample(self) -> None:
+        """One 10-s (control-plane) sample: token rates per bucket from the gateway, queues
+        from the gateway and the engines, health of every ready vPod."""
+        now = time.monotonic()
+        dt_wall = max(now - self._last_sample, 1e-6)
+        self._last_sample = now
+        s = self.gateway.take_samples()
+        if self._log_buf:
+            buf, self._log_buf = self._log_buf, []
+            self.state.log_requests(buf)
+        for ph in PHASES:
+            self.window.record(ph, s.tokens[ph] / dt_wall)
+        for (ph, g), n in s.waiting.items():
+            self.window.note_queue(ph, g, n)
+        ready = [v for v in self.vpods.values() if v.state == VPodState.READY]
+        results = await asyncio.gather(*(self._scrape(v) for v in ready))
+        for v, (ok, waiting) in zip(ready, results):
+            if ok:
+                self._health_fail.pop(v.id, None)
+                self.window.note_queue(v.phase, v.grp, waiting)
+            else:
+                n = self._health_fail[v.id] = self._health_fail.get(v.id, 0) + 1
+                if n >= self.cfg.health_failures:
+                    self._dead(v)
+
+    async def _scrape(self, v: VPodRow) -> tuple[bool, int]:
+        """(healthy, requests waiting) from the engine's /metrics (vLLM's names)."""
+        try:
+            async with self._session.get(f"{v.endpoint}/metrics") as r:
+                if r.status != 200:
+                    return False, 0
+                text = await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False, 0
+        return True, int(_metric(text, "vllm:num_requests_waiting"))
+
+    def _urgent(self) -> bool:
+        """Plan now: traffic and no routing yet (a cold start), or an emergency - a group's
+        peak queue beyond its batch slots (§3.4: bypasses the epoch)."""
+        if self.planned["prefill"] is None:
+            return self.window.samples("prefill").any()
+        for ph in PHASES:
+            slots: dict[str, int] = {}
+            for v in self.vpods.values():
+                if v.phase == ph and v.state in (VPodState.STARTING, VPodState.READY):
+                    slots[v.grp] = slots.get(v.grp, 0) + v.max_batch
+            for g, q in self.window.peak_queue[ph].items():
+                if q > slots.get(g, 0) and self.cfg.policy.emergency:
+                    return True
+        return False
+
+    # ---- plan ---------------------------------------------------------------------------------
+    def epoch(self) -> None:
+        now_cp = self.now_cp()
+        self._last_epoch_cp = now_cp
+        for ph in PHASES:
+            inv = [VPodRecord(v.id, v.grp, v.chip, v.topology, v.num_chips,
+                              VPodState(v.state), v.failover, v.throughput_tok_per_s,
+                              v.max_batch)
+                   for v in self.vpods.values()
+                   if v.phase == ph and v.state in (VPodState.STARTING, VPodState.READY)]
+            obs = self.window.observe(ph, now_cp, inv, self._quotas(now_cp),
+                                      chips_in_use((v.chip, v.num_chips)
+                                                   for v in self.vpods.values()))
+            plan = self.policies[ph].plan(obs, self.pstate[ph])
+            self.pstate[ph] = plan.state
+            # no group at all (no traffic in the window): no table, the gateway answers 503
+            # with Retry-After and counts the demand, which makes the next round plan again
+            self.planned[ph] = plan.routing if plan.groups else None
+            self.state.set_json(f"policy_state:{ph}", _policy_state_to_json(plan.state))
+            self.state.set_json(f"routing:{ph}", _table_to_json(plan.routing)
+                                if plan.groups else None)
+            self.state.add_plan(time.time(), ph, [_action_json(a) for a in plan.actions],
+                                plan.target, plan.rates)
+            self._act(ph, plan)
+        self.window.end_epoch()
+        self._publish()
+
+    def _quotas(self, now_cp: float) -> dict[str, int]:
+        """Known quotas, tightened by limits learned from quota errors (kept for a while: a
+        stock-out ends, and then best fits replace fail-overs)."""
+        q = dict(self.cfg.quotas)
+        for chip, (limit, since) in list(self.learned_quota.items()):
+            if now_cp - since > self.cfg.quota_memory_s:
+                del self.learned_quota[chip]
+                continue
+            q[chip] = min(q.get(chip, limit), limit)
+        return q
+
+    # ---- act ----------------------------------------------------------------------------------
+    def _act(self, phase: str, plan: Plan) -> None:
+        planned_groups = set(plan.routing.groups)
+        for a in plan.actions:
+            if a.kind == ActionKind.CREATE:
+                e = self._entry(phase, a.chip, a.topology) if a.failover \
+                    else plan.groups[a.group].entry
+                self._create(phase, a.group, e, a.failover, a.reason)
+            elif a.kind == ActionKind.DELETE and a.vpod_id in self.vpods:
+                v = self.vpods[a.vpod_id]
+                if v.grp in planned_groups or v.state != VPodState.READY:
+                    self._start_drain(v, a.reason)
+                    continue
+                # an evicted group's vPod drains once nothing routes to it (_publish)
+                held = "evicted: drains once no bucket routes to its group"
+                if v.reason == held:
+                    continue                  # said before: the plan repeats it each epoch
+                v.reason = held
+            elif a.kind == ActionKind.REPLACE and a.vpod_id in self.vpods:
+                e = plan.groups[a.group].entry
+                self._create(phase, a.group, e, False, a.reason, replaces=a.vpod_id)
+            if a.kind != ActionKind.CREATE or a.count:
+                self._event(str(a.kind), a.vpod_id or a.group, a.reason)
+
+    def _entry(self, phase: str, chip: str, topology: str) -> Entry:
+        for e in self.db.entries:
+            if e.phase == phase and e.chip == chip and e.topology == topology and e.feasible:
+                return e
+        raise LookupError(f"no {phase} entry on {chip}:{topology}")
+
+    def _create(self, phase: str, group: str, e: Entry, failover: bool, reason: str,
+                replaces: str | None = None) -> VPodRow:
+        self._n += 1
+        vid = f"{self.cfg.cluster}-{phase[0]}{self._n:04d}-{random.randrange(16 ** 4):04x}"
+        row = VPodRow(vid, group, phase, e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep,
+                      e.max_batch, self.cfg.max_model_len, e.throughput_tok_per_s,
+                      failover, VPodState.STARTING, None, time.time(), reason=reason)
+        # recorded before the backend hears of it: a crash from here on leaves a trace
+        self.state.add_vpod(row)
+        self.vpods[vid] = row
+        self._spawn(self._create_remote(row, replaces))
+        return row
+
+    def _spec(self, v: VPodRow) -> VPodSpec:
+        return VPodSpec(id=v.id, group=v.grp, phase=v.phase, model=self.cfg.model, chip=v.chip,
+                        topology=v.topology, num_chips=v.num_chips, tp=v.tp, pp=v.pp, ep=v.ep,
+                        max_batch=v.max_batch, max_model_len=v.max_model_len,
+                        labels={"neuscale-cluster": self.cfg.cluster, "neuscale-vpod": v.id,
+                                "neuscale-group": _label(v.grp), "neuscale-phase": v.phase})
+
+    async def _create_remote(self, v: VPodRow, replaces: str | None) -> None:
+        try:
+            async with self._sem:
+                await with_retries(lambda: self.backend.create(self._spec(v)))
+        except QuotaError as e:
+            held = sum(x.num_chips for x in self.vpods.values()
+                       if x.chip == v.chip and x.id != v.id)
+            self.learned_quota[v.chip] = (held, self.now_cp())
+            self._forget(v, f"quota: {e}")
+            self._wake_for_plan()          # re-plan now: the policy fails over
+            return
+        except (ConfigError, BackendError) as e:
+            self._forget(v, f"create failed: {e}")
+            return
+        await self._await_ready(v)
+        if replaces and replaces in self.vpods and self.vpods[v.id].state == VPodState.READY:
+            self._start_drain(self.vpods[replaces], f"replaced by {v.id}")
+
+    async def _await_ready(self, v: VPodRow) -> None:
+        try:
+            info = await self.backend.wait_ready(v.id, timeout_s=self.wall(3600.0) + 30.0)
+        except BackendError as e:
+            self._forget(v, f"never became ready: {e}")
+            await self._delete_quietly(v.id)
+            return
+        if v.state == VPodState.STARTING:
+            self._mark_ready(v, info)
+            self._publish()
+
+    def _mark_ready(self, v: VPodRow, info: VPodInfo) -> None:
+        v.state, v.endpoint = VPodState.READY, info.endpoint
+        v.ready_at = info.ready_s or time.time()
+        self.state.update_vpod(v.id, state=v.state, endpoint=v.endpoint, ready_at=v.ready_at)
+
+    def _start_drain(self, v: VPodRow, reason: str) -> None:
+        if v.state in (VPodState.DRAINING, VPodState.RELEASED):
+            return
+        v.state, v.reason = VPodState.DRAINING, reason
+        self.state.update_vpod(v.id, state=v.state, reason=reason)
+        self._publish()                      # the gateway stops sending to it
+        self._spawn(self._drain_and_delete(v))
+
+    async def _drain_and_delete(self, v: VPodRow) -> None:
+        """Wait until nothing is in flight on the vPod (the gateway's count and the engine's
+        running and waiting requests), then delete it."""
+        deadline = time.monotonic() + self.wall(self.cfg.drain_timeout_s)
+        while time.monotonic() < deadline and await self._busy(v):
+            await asyncio.sleep(min(0.5, self.wall(self.cfg.policy.sample_s)))
+        await self._delete_quietly(v.id)
+        self._release(v, v.reason or "deleted")
+
+    async def _busy(self, v: VPodRow) -> bool:
+        if self.gateway.outstanding(v.id):
+            return True
+        if not v.endpoint:
+            return False
+        try:
+            async with self._session.get(f"{v.endpoint}/metrics") as r:
+                text = await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False                     # unreachable: nothing left to wait for
+        return (_metric(text, "vllm:num_requests_running")
+                + _metric(text, "vllm:num_requests_waiting")) > 0
+
+    async def _delete_quietly(self, vid: str) -> None:
+        try:
+            async with self._sem:
+                await with_retries(lambda: self.backend.delete(vid))
+        except BackendError as e:
+            log.warning("deleting %s failed: %s", vid, e)
+
+    def _dead(self, v: VPodRow) -> None:
+        """A vPod that stopped answering: out of routing, deleted, replaced at once."""
+        self._event("replace", v.id, f"dead: /metrics failed {self.cfg.health_failures} times")
+        self._health_fail.pop(v.id, None)
+        e = self._entry(v.phase, v.chip, v.topology)
+        self._release(v, "dead")
+        self._spawn(self._delete_quietly(v.id))
+        self._create(v.phase, v.grp, e, v.failover, f"replaces dead {v.id}")
+
+    def _release(self, v: VPodRow, reason: str) -> None:
+        v.state, v.reason, v.released_at = VPodState.RELEASED, reason, time.time()
+        self.state.update_vpod(v.id, state=v.state, reason=reason, released_at=v.released_at)
+        self.vpods.pop(v.id, None)
+        self._publish()
+
+    def _forget(self, v: VPodRow, reason: str) -> None:
+        self._event("forget", v.id, reason)
+        self._release(v, reason)
+
+    def _wake_for_plan(self) -> None:
+        self._last_epoch_cp = -math.inf
+        self._wake.set()
+
+    # ---- routing ------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        """Hand the gateway its routing tables (make-before-break) and the ready vPods per
+        group; vPods of evicted groups drain once no bucket routes to them."""
+        ready = {}
+        starting: set[tuple[str, str]] = set()
+        for v in self.vpods.values():
+            if v.state == VPodState.READY:
+                ready.setdefault((v.phase, v.grp), []).append(
+                    Endpoint(v.id, v.endpoint, v.throughput_tok_per_s, v.max_batch))
+            elif v.state == VPodState.STARTING:
+                starting.add((v.phase, v.grp))
+        for ph in PHASES:
+            planned = self.planned[ph]
+            self.routing[ph] = None if planned is None else make_before_break(
+                planned, self.routing[ph], lambda g, ph=ph: (ph, g) in ready)
+        used = {(ph, g) for ph, t in self.routing.items() if t is not None for g in t.groups}
+        for v in list(self.vpods.values()):
+            planned = self.planned[v.phase]
+            if v.state == VPodState.READY and (planned is None or v.grp not in planned.groups) \
+                    and (v.phase, v.grp) not in used:
+                self._start_drain(v, "evicted group: nothing routes to it")
+                return                                  # _start_drain publishes again
+        self.gateway.set_targets({ph: t for ph, t in self.routing.items() if t is not None},
+                                 ready, starting)
+
+    # ---- status -------------------------------------------------------------------------------
+    def _event(self, kind: str, what: str, reason: str) -> None:
+        self.events.append({"t": time.time(), "kind": kind, "what": what, "reason": reason})
+        del self.events[:-200]
+
+    def status(self) -> dict[str, Any]:
+        groups: dict[str, dict[str, Any]] = {}
+        for v in self.vpods.values():
+            g = groups.setdefault(f"{v.phase}/{v.grp}", {"phase": v.phase, "group": v.grp,
+                                                        "vpods": 0, "ready": 0})
+            g["vpods"] += 1
+            g["ready"] += v.state == VPodState.READY
+        routing = {ph: ({str(e): g for e, g in zip(t.edges, t.groups)} if t else None)
+                   for ph, t in self.routing.items()}
+        best_len = {ph: (dict(t.best_len) if t else {}) for ph, t in self.routing.items()}
+        return {
+            "time_scale": self.cfg.time_scale,
+            "groups": list(groups.values()),
+            "vpods": [{"id": v.id, "phase": v.phase, "group": v.grp, "chip": v.chip,
+                       "topology": v.topology, "num_chips": v.num_chips, "state": str(v.state),
+                       "failover": v.failover, "endpoint": v.endpoint,
+                       "in_flight": self.gateway.outstanding(v.id), "reason": v.reason}
+                      for v in self.vpods.values()],
+            "routing": routing,
+            "best_len": best_len,
+            "recent_actions": self.events[-30:][::-1],
+            "recent_plans": self.state.recent_plans(6),
+        }
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def _metric(text: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples (all label sets) in exposition text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (len(line) == len(name) or line[len(name)] in " {"):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                pass
+    return total
+
+
+def _label(group: str) -> str:
+    """A group id as a label value (Cloud labels: lowercase letters, digits, - and _)."""
+    out = "".join(c if c.isalnum() else "-" for c in group.lower())
+    return out[:63]
+
+
+def _action_json(a) -> dict[str, Any]:
+    return {"kind": str(a.kind), "group": a.group, "reason": a.reason, "chip": a.chip,
+            "topology": a.topology, "count": a.count, "vpod_id": a.vpod_id,
+            "failover": a.failover}
+
+
+def _table_to_json(t: RoutingTable) -> dict[str, Any]:
+    return {"edges": list(t.edges), "groups": list(t.groups), "best_len": dict(t.best_len)}
+
+
+def _table_from_json(d: dict[str, Any]) -> RoutingTable:
+    return RoutingTable(tuple(d["edges"]), tuple(d["groups"]), dict(d["best_len"]))
+
+
+def _policy_state_to_json(s: PolicyState) -> dict[str, Any]:
+    return {g: {"ewma_peak": gs.ewma_peak,
+                "last_shrink_s": gs.last_shrink_s if math.isfinite(gs.last_shrink_s) else None}
+            for g, gs in s.groups.items()}
+
+
+def _policy_state_from_json(d: dict[str, Any]) -> PolicyState:
+    from .policy import GroupState
+    return PolicyState({g: GroupState(v["ewma_peak"], -math.inf if v["last_shrink_s"] is None
+                                      else v["last_shrink_s"]) for g, v in d.items()})
+
+
+__all__ = ["Controller", "ControllerConfig", "available_chips"]
