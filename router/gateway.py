@@ -379,7 +379,9 @@ class Gateway:
         """Serve :meth:`app` (handler cancellation on, no access log); returns its URL."""
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        # listen backlog: the default 128 refuses connections at ~1000 concurrent clients
+        # (benchmarks/router_overhead.py); the kernel caps it at net.core.somaxconn
+        await web.TCPSite(self._runner, host, port, backlog=4096).start()
         h, p = self._runner.addresses[0][:2]
         return f"http://{h}:{p}"
 
