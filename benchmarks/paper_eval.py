@@ -1,10 +1,14 @@
-"""The paper's evaluation (§5.2-5.3): NeuScale, Base and Ideal on {deepseek-v3, llama3-70b} x
-{Azure coding, LV-Eval-like, OpenThoughts-like} x {energy, cost}, 24-hour replays, prefill and
-decode. Writes one JSON per run (the ``orchestrator simulate --json`` object) and prints the
-README's results table.
+"""The paper's evaluation (§5.2-5.3, §5.7): NeuScale (load-aware), NeuScale (the paper's rule),
+Base, Ideal and Ideal-at-load on the four presets x {Azure coding, LV-Eval-like,
+OpenThoughts-like} x {energy, cost} x {prefill, decode} = 48 rows, 24-hour replays; and a load
+sweep (``--rate-scale`` 1, 4, 16, 64 of the Azure coding day) with a plot of NeuScale / Base
+against load. Writes one JSON per run (the ``orchestrator simulate --json`` object plus wall
+times), prints the README's tables, and plots the sweep.
 
-    python benchmarks/paper_eval.py --out results/ [--jobs 2] [--hours 24]
-    python benchmarks/paper_eval.py --out results/ --table-only      # re-print from the JSONs
+    python benchmarks/paper_eval.py --out results/ [--jobs 2]          # grid + sweep
+    python benchmarks/paper_eval.py --out results/ --table-only        # re-print from the JSONs
+
+A run whose JSON exists is kept (delete it to re-run).
 """
 
 from __future__ import annotations
@@ -21,93 +25,237 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse import load_model  # noqa: E402
-from orchestrator.cluster import ClusterConfig, ClusterSim, ideal_report  # noqa: E402
+from dse.catalog import default_catalog  # noqa: E402
+from orchestrator.cluster import (ClusterConfig, ClusterSim, ideal_at_load_report,  # noqa: E402
+                                  ideal_report)
+from orchestrator.pricing import ChipModelPricer  # noqa: E402
 from orchestrator.registry import make_policies  # noqa: E402
-from sim.verified import verified_db  # noqa: E402
 from sim.traces import load_trace  # noqa: E402
+from sim.verified import verified_db  # noqa: E402
 
+MODELS = "llama3-8b,llama3-70b,llama3.1-405b,deepseek-v3"
 TRACES = {"azure-code": "Azure coding", "lveval": "LV-Eval-like",
           "openthoughts": "OpenThoughts-like"}
+SIMULATED = ("neuscale", "neuscale-paper", "base")
+COLS = ("neuscale", "neuscale-paper", "base", "ideal", "ideal-at-load")
+PAPER = {"energy": 1.13, "cost": 1.43, "slo": 1.36}    # §5.2-5.3's geometric means
 
 
-def run_one(job: tuple[str, str, str, float, str]) -> str:
-    model, trace, metric, hours, out_dir = job
-    path = Path(out_dir) / f"{model}-{trace}-{metric}.json"
+def run_one(job: tuple) -> str:
+    kind, model, trace, metric, hours, start, scale, out_dir = job
+    stem = (f"{model}-{trace}-{metric}" if kind == "grid"
+            else f"sweep-{model}-{trace}-{metric}-x{scale:g}")
+    path = Path(out_dir) / f"{stem}.json"
     if path.exists():
         return f"{path} (kept)"
-    arch = load_model(model)
+    arch, cat = load_model(model), default_catalog()
     db = verified_db(arch, metric, progress=False)
-    tr = load_trace(trace, hours=hours if hours < 24 else None)
+    if kind == "sweep":
+        # rate x scale compresses time: replay scale x the span, so every scale runs ~`hours`
+        # of simulated time (at most the whole day, which then runs 24 h / scale)
+        window_h = min(24.0, hours * scale)
+        t0_h = max(0.0, min(_hours(start), 24.0 - window_h))
+        tr = load_trace(trace, hours=window_h if window_h < 24 else None,
+                        start=f"{int(t0_h):02d}:{int(round(t0_h % 1 * 60)):02d}",
+                        rate_scale=scale)
+    else:
+        tr = load_trace(trace, hours=hours if hours < 24 else None, start=start)
     arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
                      np.asarray(tr.output_tokens))
     cfg = ClusterConfig()
-    res = {"model": model, "trace": trace, "metric": metric, "summary": tr.summary(),
-           "note": tr.note, "policies": {}, "wall_s": {}}
-    for name in ("neuscale", "base"):
+    pricer = ChipModelPricer(arch, cat)
+    res = {"kind": kind, "model": model, "trace": trace, "metric": metric, "rate_scale": scale,
+           "hours": hours, "summary": tr.summary(), "note": tr.note, "policies": {},
+           "wall_s": {}}
+    for name in SIMULATED:
         t = time.perf_counter()
-        sim = ClusterSim(arch, db, make_policies(name, db, cfg.policy, inp, out), cfg)
-        rep = sim.run(arr, inp, out)
+        sim = ClusterSim(arch, db, make_policies(name, db, cfg.policy, inp, out, None, cat,
+                                                 pricer), cfg, cat)
+        res["policies"][name] = sim.run(arr, inp, out).to_json()
         res["wall_s"][name] = time.perf_counter() - t
-        res["policies"][name] = rep.to_json()
-    rep = ideal_report(arch, db, arr, inp, out)
-    res["policies"]["ideal"] = {ph: r.to_json() for ph, r in rep.items()}
+    for name, fn in (("ideal", lambda: ideal_report(arch, db, arr, inp, out, cat)),
+                     ("ideal-at-load",
+                      lambda: ideal_at_load_report(arch, db, arr, inp, out, pricer))):
+        t = time.perf_counter()
+        res["policies"][name] = {ph: r.to_json() for ph, r in fn().items()}
+        res["wall_s"][name] = time.perf_counter() - t
     path.write_text(json.dumps(res, indent=1))
     return f"{path} ({sum(res['wall_s'].values()):.0f} s)"
 
 
-def table(out_dir: Path) -> str:
-    rows = ["| model | workload | metric | phase | NeuScale eff. | Base eff. | Ideal eff. | "
-            "NeuScale / Base | NeuScale / Ideal | SLO NeuScale | SLO Base |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    ratios = {"eff": {"energy": [], "cost": []}, "slo": []}
+def _hours(hhmm: str | None) -> float:
+    if not hhmm:
+        return 0.0
+    h, _, m = hhmm.partition(":")
+    return int(h) + int(m or 0) / 60
+
+
+def _key(metric: str) -> str:
+    return "tokens_per_j" if metric == "energy" else "tokens_per_usd"
+
+
+def gmean(x) -> float:
+    x = [v for v in x if np.isfinite(v) and v > 0]
+    return float(np.exp(np.mean(np.log(x)))) if x else float("nan")
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def grid_table(out_dir: Path) -> str:
+    rows = ["| model | workload | metric | phase | NeuScale | paper rule | Base | Ideal | "
+            "Ideal-at-load | NeuScale / Base | paper rule / Base | NeuScale / Ideal-at-load | "
+            "NeuScale / Ideal | SLO NeuScale | SLO paper rule | SLO Base |",
+            "|" + "---|" * 16]
+    eff = {p: {"energy": [], "cost": []} for p in ("neuscale", "neuscale-paper")}
+    slo = {p: [] for p in ("neuscale", "neuscale-paper")}
+    above = {"ideal": 0, "ideal-at-load": 0}
+    losses, n_rows = [], 0
     for f in sorted(out_dir.glob("*.json")):
         r = json.loads(f.read_text())
-        key = "tokens_per_j" if r["metric"] == "energy" else "tokens_per_usd"
-        unit = "tok/J" if r["metric"] == "energy" else "tok/$"
+        if r.get("kind", "grid") != "grid":
+            continue
+        key, unit = _key(r["metric"]), ("tok/J" if r["metric"] == "energy" else "tok/$")
         for ph in ("prefill", "decode"):
-            n, b, i = (r["policies"][p][ph] for p in ("neuscale", "base", "ideal"))
-            rn = n[key] / b[key] if b[key] else float("nan")
-            ratios["eff"][r["metric"]].append(rn)
-            ratios["slo"].append(n["slo_rate"] / b["slo_rate"] if b["slo_rate"] else np.nan)
-            rows.append(f"| {r['model']} | {TRACES.get(r['trace'], r['trace'])} | {r['metric']} "
-                        f"| {ph} | {n[key]:.4g} {unit} | {b[key]:.4g} | {i[key]:.4g} | "
-                        f"{rn:.2f}x | {n[key] / i[key]:.2f} | {n['slo_rate']:.1%} | "
-                        f"{b['slo_rate']:.1%} |")
-
-    def gmean(x):
-        x = [v for v in x if np.isfinite(v) and v > 0]
-        return float(np.exp(np.mean(np.log(x)))) if x else float("nan")
+            v = {p: r["policies"][p][ph] for p in COLS}
+            n_rows += 1
+            for p in eff:
+                eff[p][r["metric"]].append(_ratio(v[p][key], v["base"][key]))
+                slo[p].append(_ratio(v[p]["slo_rate"], v["base"]["slo_rate"]))
+            for o in above:
+                above[o] += v["neuscale"][key] >= 0.8 * v[o][key]
+            nb = _ratio(v["neuscale"][key], v["base"][key])
+            if nb < 1 and v["neuscale"]["slo_rate"] >= v["base"]["slo_rate"] - 1e-3:
+                losses.append(f"{r['model']} {TRACES[r['trace']]} {r['metric']} {ph} "
+                              f"({nb:.2f}x)")
+            rows.append(
+                f"| {r['model']} | {TRACES.get(r['trace'], r['trace'])} | {r['metric']} | {ph} "
+                f"| {v['neuscale'][key]:.4g} {unit} | {v['neuscale-paper'][key]:.4g} | "
+                f"{v['base'][key]:.4g} | {v['ideal'][key]:.4g} | {v['ideal-at-load'][key]:.4g} "
+                f"| {nb:.2f}x | {_ratio(v['neuscale-paper'][key], v['base'][key]):.2f}x | "
+                f"{_ratio(v['neuscale'][key], v['ideal-at-load'][key]):.2f} | "
+                f"{_ratio(v['neuscale'][key], v['ideal'][key]):.2f} | "
+                f"{v['neuscale']['slo_rate']:.1%} | {v['neuscale-paper']['slo_rate']:.1%} | "
+                f"{v['base']['slo_rate']:.1%} |")
     rows.append("")
-    rows.append(f"Geometric means over the rows: energy efficiency "
-                f"{gmean(ratios['eff']['energy']):.2f}x, cost efficiency "
-                f"{gmean(ratios['eff']['cost']):.2f}x, SLO rate {gmean(ratios['slo']):.2f}x "
-                f"NeuScale over Base (paper: 1.13x, 1.43x, 1.36x).")
+    for p, label in (("neuscale", "NeuScale"), ("neuscale-paper", "NeuScale (paper rule)")):
+        rows.append(f"Geometric means over {n_rows} rows, {label} over Base: energy efficiency "
+                    f"{gmean(eff[p]['energy']):.2f}x, cost efficiency {gmean(eff[p]['cost']):.2f}x"
+                    f", SLO rate {gmean(slo[p]):.2f}x (paper: {PAPER['energy']}x, "
+                    f"{PAPER['cost']}x, {PAPER['slo']}x).")
+    rows.append(f"NeuScale at >= 80 % of Ideal-at-load on {above['ideal-at-load']} of {n_rows} "
+                f"rows, of Ideal (full batch) on {above['ideal']} of {n_rows} (paper: 22 of 48 "
+                "against its Ideal).")
+    rows.append("Rows where NeuScale is below Base at an SLO rate not lower: "
+                + (", ".join(losses) if losses else "none") + ".")
     return "\n".join(rows)
+
+
+def sweep_rows(out_dir: Path) -> list[dict]:
+    out = []
+    for f in sorted(out_dir.glob("sweep-*.json")):
+        r = json.loads(f.read_text())
+        key = _key(r["metric"])
+        for ph in ("prefill", "decode"):
+            v = {p: r["policies"][p][ph] for p in COLS}
+            out.append({"model": r["model"], "metric": r["metric"], "scale": r["rate_scale"],
+                        "phase": ph, **{f"{p}/base": _ratio(v[p][key], v["base"][key])
+                                        for p in COLS if p != "base"},
+                        "slo": {p: v[p]["slo_rate"] for p in SIMULATED}})
+    return sorted(out, key=lambda d: (d["model"], d["metric"], d["phase"], d["scale"]))
+
+
+def sweep_table(out_dir: Path) -> str:
+    rows = ["| model | phase | rate x | NeuScale / Base | paper rule / Base | "
+            "Ideal-at-load / Base | SLO NeuScale | SLO paper rule | SLO Base |",
+            "|" + "---|" * 9]
+    for d in sweep_rows(out_dir):
+        s = d["slo"]
+        rows.append(f"| {d['model']} ({d['metric']}) | {d['phase']} | {d['scale']:g} | "
+                    f"{d['neuscale/base']:.2f}x | {d['neuscale-paper/base']:.2f}x | "
+                    f"{d['ideal-at-load/base']:.2f}x | {s['neuscale']:.1%} | "
+                    f"{s['neuscale-paper']:.1%} | {s['base']:.1%} |")
+    return "\n".join(rows)
+
+
+def plot_sweep(out_dir: Path) -> Path | None:
+    rows = sweep_rows(out_dir)
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = sorted({(d["model"], d["metric"]) for d in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for ax, (model, metric) in zip(axes[0], keys):
+        for ph, style in (("prefill", "-"), ("decode", "--")):
+            sel = [d for d in rows if (d["model"], d["metric"], d["phase"]) == (model, metric, ph)]
+            x = [d["scale"] for d in sel]
+            for p, c in (("neuscale", "C0"), ("neuscale-paper", "C1"), ("ideal-at-load", "C2")):
+                ax.plot(x, [d[f"{p}/base"] for d in sel], style, color=c, marker="o",
+                        label=f"{p} {ph}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("request rate x the Azure coding day")
+        ax.set_ylabel(f"{'tokens/J' if metric == 'energy' else 'tokens/$'} / Base")
+        ax.set_title(f"{model} ({metric})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "sweep.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--models", default="deepseek-v3,llama3-70b")
-    ap.add_argument("--traces", default="azure-code,lveval,openthoughts")
+    ap.add_argument("--out", required=True, help="directory for the JSONs, tables and plot")
+    ap.add_argument("--models", default=MODELS)
+    ap.add_argument("--traces", default=",".join(TRACES))
     ap.add_argument("--metrics", default="energy,cost")
-    ap.add_argument("--hours", type=float, default=24.0)
+    ap.add_argument("--hours", type=float, default=24.0, help="grid replay length")
+    ap.add_argument("--sweep-models", default="llama3-70b,deepseek-v3")
+    ap.add_argument("--sweep-scales", default="1,4,16,64")
+    ap.add_argument("--sweep-hours", type=float, default=0.5,
+                    help="simulated span of each sweep run: rate x S replays S x this many "
+                    "hours of the Azure coding day from --sweep-start (moved earlier to fit "
+                    "the day; at most the whole day)")
+    ap.add_argument("--sweep-start", default="12:00")
+    ap.add_argument("--sweep-metric", default="energy")
+    ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     if not args.table_only:
         models, metrics = args.models.split(","), args.metrics.split(",")
         for m in models:               # build the verified DBs once, before the workers
             for metric in metrics:
                 verified_db(load_model(m), metric, progress=False)
-        jobs = [(m, t, metric, args.hours, str(out)) for m in models
+        jobs = [("grid", m, t, metric, args.hours, None, 1.0, str(out)) for m in models
                 for t in args.traces.split(",") for metric in metrics]
+        if not args.no_sweep:
+            jobs += [("sweep", m, "azure-code", args.sweep_metric, args.sweep_hours,
+                      args.sweep_start, float(s), str(out))
+                     for m in args.sweep_models.split(",")
+                     for s in args.sweep_scales.split(",")]
+        # the longest first, so the pool's tail is short
+        jobs.sort(key=lambda j: (j[1] != "deepseek-v3", j[0] != "sweep", -j[6]))
         with get_context("fork").Pool(args.jobs) as pool:
             for msg in pool.imap_unordered(run_one, jobs):
-                print(msg, flush=True)
-    print(table(out))
+                print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", flush=True)
+    print(grid_table(out))
+    print()
+    print(sweep_table(out))
+    p = plot_sweep(out)
+    if p:
+        print(f"\nwrote {p}")
+    if not args.table_only:
+        print(f"total {time.perf_counter() - t0:.0f} s with --jobs {args.jobs}")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def main() -> None:
     n = len(tr)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{args.model} {args.trace} {args.hours:g} h from {args.start}, {args.policy}: "
-          f"{n:,} requests, {len(sim.fleet.vpods)} vPods, {len(sim._tables)} step-cost tables")
+          f"{n:,} requests, {len(sim.fleet.vpods)} vPods, {len(sim.tables)} step-cost tables")
     print(f"  simulator {n / wall:,.0f} req/s ({wall:.1f} s, peak RSS {rss_mib:,.0f} MiB); "
           f"routing-only baseline {n / base:,.0f} req/s; simulator / baseline = "
           f"{base / wall:.4f}")

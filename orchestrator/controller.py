@@ -536,15 +536,36 @@ def _table_from_json(d: dict[str, Any]) -> RoutingTable:
 
 
 def _policy_state_to_json(s: PolicyState) -> dict[str, Any]:
-    return {g: {"ewma_peak": gs.ewma_peak,
-                "last_shrink_s": gs.last_shrink_s if math.isfinite(gs.last_shrink_s) else None}
-            for g, gs in s.groups.items()}
+    from dataclasses import asdict
+    return {"groups": {g: {"ewma_peak": gs.ewma_peak,
+                           "last_shrink_s": gs.last_shrink_s if math.isfinite(gs.last_shrink_s)
+                           else None} for g, gs in s.groups.items()},
+            "chosen": {str(i): g for i, g in s.chosen.items()},
+            "allocs": {g: _finite(asdict(spec.entry)) for g, spec in s.allocs.items()},
+            "pending": {str(k): list(v) for k, v in s.pending.items()}}
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in d.items()}
 
 
 def _policy_state_from_json(d: dict[str, Any]) -> PolicyState:
-    from .policy import GroupState
-    return PolicyState({g: GroupState(v["ewma_peak"], -math.inf if v["last_shrink_s"] is None
-                                      else v["last_shrink_s"]) for g, v in d.items()})
+    """The policy's memory as saved; a state file from before the load-aware policy (groups
+    only, at the top level) still loads."""
+    from dse.db import Entry
+
+    from .policy import GroupSpec, GroupState
+    groups = d.get("groups", d) if isinstance(d.get("groups"), dict) else d
+    out = PolicyState({g: GroupState(v["ewma_peak"], -math.inf if v["last_shrink_s"] is None
+                                     else v["last_shrink_s"]) for g, v in groups.items()})
+    if "chosen" in d:
+        out.chosen = {int(i): g for i, g in d["chosen"].items()}
+        out.allocs = {g: GroupSpec(g, Entry(**{k: (math.inf if v is None else v)
+                                               for k, v in e.items()}))
+                      for g, e in d["allocs"].items()}
+        out.pending = {int(k): tuple(v) for k, v in d["pending"].items()}
+    return out
 
 
 __all__ = ["Controller", "ControllerConfig", "available_chips"]

@@ -80,6 +80,12 @@ class PolicyConfig:
     # Best fits are then the best among these chips (SLO-compliant first, then efficiency).
     chips: tuple[str, ...] | None = None
     eviction: bool = True
+    # load-aware policy (orchestrator.loadaware, not in the paper): a better allocation must
+    # stay the better one this many epochs in a row before a group switches to it
+    rechoose_epochs: int = 2
+    # load-aware decode picks: TPOT at full batch <= this x SLO (a request of 2 decode steps
+    # that waited a whole step for its batch still meets the SLO; see orchestrator.loadaware)
+    decode_step_margin: float = 2.0 / 3.0
 
     def __post_init__(self) -> None:
         if self.growth_per_epoch < 1 or self.shrink_factor < 1:
@@ -118,6 +124,7 @@ class ActionKind(StrEnum):
     EVICT_GROUP = "evict_group"     # nothing routes to the group any more
     DSE = "dse"                     # a length without a best fit: background DSE request
     UNSATISFIED = "unsatisfied"     # ``count`` vPods wanted that no allowed chip's quota allows
+    CHOOSE = "choose_allocation"    # load-aware: the allocation a group runs, and why
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,16 @@ class GroupState:
 @dataclass
 class PolicyState:
     groups: dict[str, GroupState] = field(default_factory=dict)
+    # the load-aware policy's memory: which group served each bucket in the last plan, the
+    # allocations it chose (by group id), and per group leader a better allocation seen and for
+    # how many epochs in a row
+    chosen: dict[int, str] = field(default_factory=dict)
+    allocs: dict[str, GroupSpec] = field(default_factory=dict)
+    pending: dict[int, tuple[str, int]] = field(default_factory=dict)
+
+    def copy(self) -> "PolicyState":
+        return PolicyState({g: replace(s) for g, s in self.groups.items()}, dict(self.chosen),
+                           dict(self.allocs), dict(self.pending))
 
 
 @dataclass(frozen=True)
@@ -269,13 +286,8 @@ class Policy:
             return Plan([], RoutingTable.build({0: "none"}, self.edges), state, {}, {}, {})
         b2g, specs = self._bucket_groups(sorted(series), actions) if series else ({}, {})
         load = _GroupLoad(series, b2g)
-        for g in sorted(set(b2g.values())):
-            if g not in owned:
-                actions.append(Action(ActionKind.CREATE_GROUP, g, "best fit of bucket(s) <= "
-                                      + ", ".join(str(self.edges[i]) for i in sorted(b2g)
-                                                  if b2g[i] == g)))
-        if cfg.coalescing:
-            self._coalesce(load, specs, actions)
+        new_state = state.copy()
+        self._regroup(load, specs, obs, new_state, owned, actions)
         avail = {c: (None if n is None else int(n)) for c, n in obs.available_chips.items()}
         inv: dict[str, list[VPodRecord]] = {}
         for v in obs.inventory:
@@ -283,14 +295,14 @@ class Policy:
                 inv.setdefault(v.group, []).append(v)
         live = sorted(set(b2g.values()))
         rates = {g: float(load.series(g).max()) for g in live}
-        new_state = PolicyState({g: replace(s) for g, s in state.groups.items()})
         self._evict_idle(inv, live, avail, actions, new_state)
         target: dict[str, int] = {}
         self._budget = cfg.max_new_vpods        # vPods this plan may still order
         for g in live:
             gs = new_state.groups.setdefault(g, GroupState())
             vpods = inv.get(g, [])
-            want, why = self._size(specs[g], load.series(g), gs, len(vpods), obs.now_s)
+            want, why = self._size(specs[g], *self._demand(g, specs[g], load), gs, len(vpods),
+                                   obs.now_s)
             want, why = self._emergency(specs[g], vpods, obs.group_peak_queue.get(g, 0),
                                         want, why)
             if rates[g] == 0 and obs.group_peak_queue.get(g, 0) == 0:
@@ -299,6 +311,34 @@ class Policy:
             self._actuate(g, specs[g], want, vpods, why, avail, actions, rates, inv)
         routing = RoutingTable.build(b2g or {0: "none"}, self.edges)
         return Plan(actions, routing, new_state, specs, target, rates)
+
+    def _regroup(self, load: "_GroupLoad", specs: dict[str, GroupSpec], obs: Observation,
+                 state: PolicyState, owned: set[str], actions: list[Action]) -> None:
+        """From the best-fit groups to the groups the plan runs (``load.b2g`` changes in
+        place): the paper's coalescing. (The load-aware policy also re-chooses allocations.)"""
+        b2g = load.b2g
+        for g in sorted(set(b2g.values())):
+            if g not in owned:
+                actions.append(Action(ActionKind.CREATE_GROUP, g, "best fit of bucket(s) <= "
+                                      + ", ".join(str(self.edges[i]) for i in sorted(b2g)
+                                                  if b2g[i] == g)))
+        if self.cfg.coalescing:
+            self._coalesce(load, specs, actions)
+
+    def _demand(self, g: str, spec: GroupSpec, load: "_GroupLoad") -> tuple[np.ndarray, float]:
+        """The group's load series and the throughput of one vPod in its unit: tokens/s and
+        the allocation's tokens/s at its best-fit bucket (the paper's N_pod = R / T_pod)."""
+        return load.series(g), spec.entry.throughput_tok_per_s
+
+    def _recent_peak(self, s: np.ndarray) -> float:
+        """The peak that sizes a group: the last epoch's (a finished burst is released within
+        an epoch or two through the EWMA)."""
+        n_epoch = max(1, int(round(self.cfg.epoch_s / self.cfg.sample_s)))
+        return float(s[-n_epoch:].max())
+
+    def _n_pod(self, g: str, r: float, T: float) -> int:
+        """vPods for a load of ``r`` at ``T`` each: N_pod = ceil(R / T_pod) (§3.4)."""
+        return math.ceil(r / T - 1e-9)
 
     def _window(self, obs: Observation) -> dict[int, np.ndarray]:
         """Per bucket with traffic, the window's rate samples (tokens/s, oldest first)."""
@@ -371,19 +411,17 @@ class Policy:
             actions.append(Action(ActionKind.EVICT_GROUP, g, "N_pod = 0"))
             state.groups.pop(g, None)
 
-    def _size(self, spec: GroupSpec, s: np.ndarray, gs: GroupState, current: int,
+    def _size(self, spec: GroupSpec, s: np.ndarray, T: float, gs: GroupState, current: int,
               now_s: float) -> tuple[int, str]:
         """N_pod = ceil(R / T_pod): at most x``growth_per_epoch`` up per epoch, at most
         /``shrink_factor`` down per ``shrink_period_s``; R is the last epoch's peak or, when
         lower, the EWMA of epoch peaks (updated in ``gs``)."""
         cfg = self.cfg
-        n_epoch = max(1, int(round(cfg.epoch_s / cfg.sample_s)))
-        epoch_peak = float(s[-n_epoch:].max())
+        epoch_peak = self._recent_peak(s)
         gs.ewma_peak = (epoch_peak if gs.ewma_peak == 0.0 else
                         cfg.ewma_alpha * epoch_peak + (1 - cfg.ewma_alpha) * gs.ewma_peak)
-        T = spec.entry.throughput_tok_per_s
         r_now = max(epoch_peak, gs.ewma_peak)
-        n_pod = math.ceil(r_now / T - 1e-9)
+        n_pod = self._n_pod(spec.id, r_now, T)
         if n_pod > current:
             cap = max(1, math.floor(current * cfg.growth_per_epoch)) if current else n_pod
             want = min(n_pod, cap)
@@ -515,6 +553,23 @@ class _GroupLoad:
             if gid == g:
                 s = self._series[i]
                 out[self._length - len(s):] += s
+        return out
+
+    def weighted(self, g: str, weight: Mapping[int, float]) -> np.ndarray:
+        """The group's samples with bucket ``i``'s rate times ``weight[i]``."""
+        out = np.zeros(self._length)
+        for i, gid in self.b2g.items():
+            if gid == g:
+                s = self._series[i]
+                out[self._length - len(s):] += s * weight[i]
+        return out
+
+    def matrix(self, buckets: list[int]) -> np.ndarray:
+        """Samples x buckets (the window's length; missing samples are 0)."""
+        out = np.zeros((self._length, len(buckets)))
+        for k, i in enumerate(buckets):
+            s = self._series[i]
+            out[self._length - len(s):, k] = s
         return out
 
 

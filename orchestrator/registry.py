@@ -1,9 +1,12 @@
 """The one list of autoscaling policies: names, parsing and construction.
 
-Names: ``neuscale`` (the §3.4 policy), ``base`` (the paper's homogeneous baseline, §5.1),
-``multipool:K`` (K fixed percentile pools, DynamoLLM-like, §5.5) and ``ideal`` (the §5.1 oracle:
-not a policy that runs, it prices every request at its best fit; the simulator reports it
-through :func:`orchestrator.cluster.ideal_report`). The CLI validates ``--policy`` against
+Names: ``neuscale`` (the §3.4 policy with the allocation of every group chosen at its load,
+:mod:`orchestrator.loadaware`), ``neuscale-paper`` (the §3.4 policy as the paper states it: best
+fits at full batch), ``base`` (the paper's homogeneous baseline, §5.1), ``multipool:K`` (K fixed
+percentile pools, DynamoLLM-like, §5.5), and two oracles that are priced, not run: ``ideal``
+(§5.1: every request at its best fit's full batch) and ``ideal-at-load`` (every request at the
+allocation cheapest for its bucket at the load of its epoch, no provisioning delay;
+:mod:`orchestrator.cluster.accounting`). The CLI validates ``--policy`` against
 :func:`parse_policy_names`; both drivers build policies with :func:`make_policies`.
 """
 
@@ -17,12 +20,17 @@ import numpy as np
 from dse.db import BestFitDB
 from dse.errors import NeuScaleError
 
+from dse.catalog import Catalog
+
 from .baselines import HomogeneousPolicy, MultiPoolPolicy
+from .loadaware import LoadAwarePolicy
 from .policy import Policy, PolicyConfig
+from .pricing import ChipModelPricer, Pricer
 
 PHASES = ("prefill", "decode")
-POLICY_NAMES = ("neuscale", "base", "ideal", "multipool:K")
-ORACLE = "ideal"                  # priced, not run
+POLICY_NAMES = ("neuscale", "neuscale-paper", "base", "ideal", "ideal-at-load", "multipool:K")
+ORACLES = ("ideal", "ideal-at-load")        # priced, not run
+ORACLE = "ideal"
 
 
 def _pools(name: str) -> int | None:
@@ -39,8 +47,24 @@ def _pools(name: str) -> int | None:
     return k
 
 
+#: the policies that can run live (the others need the whole trace's lengths up front)
+LIVE_POLICIES = ("neuscale", "neuscale-paper")
+
+
+def make_live_policies(name: str, db: BestFitDB, config: PolicyConfig,
+                       catalog: Catalog | None = None) -> dict[str, Policy]:
+    """One autoscaler per phase for ``orchestrator serve``: ``neuscale`` (load-aware) or
+    ``neuscale-paper`` (the paper's rule)."""
+    if name not in LIVE_POLICIES:
+        raise NeuScaleError(f"policy {name!r} cannot serve live (it is sized from a whole "
+                            f"trace or prices requests after the fact); use one of "
+                            f"{', '.join(LIVE_POLICIES)}")
+    return make_policies(name, db, config, np.ones(1, np.int64), np.ones(1, np.int64),
+                         None, catalog)
+
+
 def check_policy_name(name: str) -> str:
-    if name in ("neuscale", "base", ORACLE) or _pools(name) is not None:
+    if name in ("neuscale", "neuscale-paper", "base", *ORACLES) or _pools(name) is not None:
         return name
     raise NeuScaleError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
 
@@ -60,13 +84,22 @@ def parse_policy_names(text: str) -> list[str]:
 
 
 def make_policies(name: str, db: BestFitDB, config: PolicyConfig, input_tokens, output_tokens,
-                  phase_chips: Mapping[str, Sequence[str] | None] | None = None
+                  phase_chips: Mapping[str, Sequence[str] | None] | None = None,
+                  catalog: Catalog | None = None, pricer: Pricer | None = None
                   ) -> dict[str, Policy]:
-    """One autoscaler per phase for policy ``name`` (not the oracle); ``phase_chips`` restricts
-    each phase's autoscaler to some chip versions (§5.4's chip mixes)."""
+    """One autoscaler per phase for policy ``name`` (not an oracle); ``phase_chips`` restricts
+    each phase's autoscaler to some chip versions (§5.4's chip mixes). The load-aware policy
+    prices allocations with ``pricer`` (default: the chip model of the DB's model on
+    ``catalog``)."""
     check_policy_name(name)
-    if name == ORACLE:
-        raise NeuScaleError("'ideal' is an oracle that prices requests, not a policy that runs")
+    if name in ORACLES:
+        raise NeuScaleError(f"{name!r} is an oracle that prices requests, not a policy that "
+                            "runs")
+    if name == "neuscale" and pricer is None:
+        from dse.catalog import default_catalog
+        from dse.models import ModelArch
+        pricer = ChipModelPricer(ModelArch(**db.meta["model_arch"]),
+                                 catalog or default_catalog())
     inp = np.asarray(input_tokens)
     tot = inp + np.asarray(output_tokens)
     lengths = {"prefill": inp, "decode": tot}
@@ -80,6 +113,8 @@ def make_policies(name: str, db: BestFitDB, config: PolicyConfig, input_tokens, 
             out[ph] = MultiPoolPolicy(db, ph, lengths[ph], k, cfg)
         elif name == "base":
             out[ph] = HomogeneousPolicy(db, ph, int(lengths[ph].max()), cfg)
+        elif name == "neuscale":
+            out[ph] = LoadAwarePolicy(db, ph, cfg, pricer=pricer)
         else:
             out[ph] = Policy(db, ph, cfg)
     return out

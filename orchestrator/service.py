@@ -53,6 +53,7 @@ class ServeConfig:
     chip_files: tuple[str, ...] = ()
     wait_for_vpod_s: float = 30.0
     predictor: str = "median"           # output-length predictor: median | fixed:N
+    policy_name: str = "neuscale"       # neuscale (load-aware) | neuscale-paper
     policy: Mapping[str, Any] = field(default_factory=dict)   # PolicyConfig fields to override
     bootstrap: bool = True              # start one vPod per phase before the first request
 
@@ -162,7 +163,10 @@ class Service:
         ccfg = ControllerConfig(policy=pcfg, time_scale=cfg.time_scale,
                                 cluster=cfg.cluster, model=cfg.model, quotas=dict(cfg.quotas),
                                 bootstrap=cfg.bootstrap, max_model_len=max_context)
-        self.controller = Controller(self.db, self.backend, self.gateway, self.state, ccfg)
+        from .registry import make_live_policies
+        policies = make_live_policies(cfg.policy_name, self.db, pcfg, self.catalog)
+        self.controller = Controller(self.db, self.backend, self.gateway, self.state, ccfg,
+                                     policies)
         self.gateway.status_provider = self.controller.status
         self.gateway.plans_on_demand = True
         self.gateway.on_request_done = self.controller.log_request if cfg.log_prompts else \

@@ -320,5 +320,36 @@ def verify_db(db, arch: ModelArch, catalog: Catalog | None = None,
             hbm_bytes_per_chip=r.hbm_bytes_per_chip))
         if progress:
             progress(1)
-    meta = dict(db.meta, verified="chip-model")
-    return BestFitDB(meta, entries, db.pareto, db.explain)
+    cols, pareto = verify_pareto(db, arch, catalog)
+    meta = dict(db.meta, verified="chip-model", pareto_columns=cols)
+    return BestFitDB(meta, entries, pareto, db.explain)
+
+
+#: what :func:`verify_pareto` adds to every Pareto point: its chip-model latency, throughput and
+#: whether it meets its bucket's SLO there - the points a load-aware policy may pick
+CHIP_MODEL_COLUMNS = ["cm_latency_s", "cm_throughput_tok_per_s", "cm_meets_slo"]
+
+
+def verify_pareto(db, arch: ModelArch, catalog: Catalog) -> tuple[list[str], dict]:
+    """Every Pareto point of ``db`` checked on the chip model at its own bucket and batch
+    (not only the best fits: a load-aware policy picks among all of them). Returns the
+    columns and the rows with :data:`CHIP_MODEL_COLUMNS` appended (replacing earlier ones)."""
+    cols = [c for c in db.meta["pareto_columns"] if c not in CHIP_MODEL_COLUMNS]
+    keep = [db.meta["pareto_columns"].index(c) for c in cols]
+    models: dict[tuple, ChipModel] = {}
+    out = {}
+    for key, rows in db.pareto.items():
+        phase, edge, chip = key.split("|")
+        slo = db.meta["slo_s"][phase][db.bucket_index(int(edge))]
+        new_rows = []
+        for row in rows:
+            p = dict(zip(db.meta["pareto_columns"], row))
+            k = (chip, p["topology"], p["tp"], p["pp"], p["ep"])
+            cm = models.get(k)
+            if cm is None:
+                cm = models[k] = ChipModel.of(arch, catalog, *k)
+            r = cm.step(phase, p["batch"], int(edge))
+            new_rows.append([row[i] for i in keep]
+                            + [r.latency_s, r.throughput_tok_per_s, bool(r.latency_s <= slo)])
+        out[key] = new_rows
+    return cols + CHIP_MODEL_COLUMNS, out

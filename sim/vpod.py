@@ -85,3 +85,28 @@ def vpod_engines(table: StepCostTable, phase: str, max_batch: int, pp: int,
     return VPodEngines([cls(cost, max_batch=engine_batch(max_batch, pp),
                             max_batched_tokens=max(max_batched_tokens, max_batch),
                             start_s=start_s) for _ in range(pp)])
+
+
+class TableCache:
+    """Step-cost tables by allocation (chip, topology, tp, pp, ep) for one model, built on first
+    use (from the chip model) and kept in memory and, with ``on_disk``, in the ``stepcost``
+    cache."""
+
+    def __init__(self, arch, catalog, on_disk: bool = True):
+        self.arch, self.catalog, self.on_disk = arch, catalog, on_disk
+        self._tables: dict[tuple, StepCostTable] = {}
+
+    def __call__(self, alloc: tuple) -> StepCostTable:
+        t = self._tables.get(alloc)
+        if t is None:
+            from dse.cache import cache_path
+
+            from .chip import ChipModel
+            chip, topo, tp, pp, ep = alloc
+            cm = ChipModel.of(self.arch, self.catalog, chip, topo, tp, pp, ep)
+            t = self._tables[alloc] = StepCostTable(
+                cm, cache_dir=cache_path("stepcost") if self.on_disk else None)
+        return t
+
+    def __len__(self) -> int:
+        return len(self._tables)

@@ -255,13 +255,17 @@ def cmd_dse_verify(args: argparse.Namespace) -> int:
     changed = sum(alloc(a) != alloc(b) for a, b in zip(db.entries, out.entries))
     ok_before = sum(e.meets_slo for e in db.entries if e.feasible)
     ok_after = sum(e.meets_slo for e in out.entries if e.feasible)
+    points = [r[-1] for rows in out.pareto.values() for r in rows]
     res = {"db": args.out, "entries": len(out.entries), "changed": changed,
-           "meets_slo_roofline": ok_before, "meets_slo_chip_model": ok_after}
+           "meets_slo_roofline": ok_before, "meets_slo_chip_model": ok_after,
+           "pareto_points": len(points), "pareto_points_meet_slo_chip_model": sum(points)}
     if args.json:
         print_json(res)
     else:
         print(f"wrote {args.out}: {changed} of {len(out.entries)} best fits re-chosen on the chip "
-              f"model; {ok_after} meet their SLO on it ({ok_before} did on the roofline)")
+              f"model; {ok_after} meet their SLO on it ({ok_before} did on the roofline); "
+              f"{sum(points)} of {len(points)} Pareto points (what a load-aware policy may "
+              "pick) meet their bucket's SLO on the chip model")
     return 0
 
 

@@ -50,7 +50,7 @@ def serve_config(args: argparse.Namespace):
     from orchestrator.service import ServeConfig
     values: dict[str, Any] = _config_file(args.config) if args.config else {}
     for name in ("backend", "model", "db", "metric", "host", "port", "state", "api_key_env",
-                 "sim_cloud", "tokenizer", "cluster", "predictor"):
+                 "sim_cloud", "tokenizer", "cluster", "predictor", "policy_name"):
         v = getattr(args, name)
         if v is not None:
             values[name] = v
@@ -122,6 +122,10 @@ def _check(cfg) -> None:
         raise NeuScaleError("--time-scale and --slo-scale must be > 0")
     if cfg.metric not in ("energy", "cost"):
         raise NeuScaleError(f"metric must be energy or cost (got {cfg.metric!r})")
+    from orchestrator.registry import LIVE_POLICIES
+    if cfg.policy_name not in LIVE_POLICIES:
+        raise NeuScaleError(f"policy_name must be one of {', '.join(LIVE_POLICIES)} "
+                            f"(got {cfg.policy_name!r})")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -243,6 +247,10 @@ def add_parser(sub) -> None:
                     "prompt tokens with (default: an estimate, 4 bytes per token)")
     sv.add_argument("--predictor", help="output-length predictor: median (running median per "
                                         "input bucket, the default) or fixed:N")
+    sv.add_argument("--policy", dest="policy_name", choices=["neuscale", "neuscale-paper"],
+                    help=f"autoscaling policy: neuscale (each group on the allocation cheapest "
+                    f"at its load) or neuscale-paper (the paper's best-fit rule) (default "
+                    f"{d.policy_name})")
     sv.add_argument("--policy-option", action="append", metavar="KEY=VALUE",
                     help="override a policy rule (PolicyConfig field), e.g. coalescing=false, "
                          "epoch_s=120; repeatable")

@@ -132,18 +132,25 @@ def _run_policy(args, name: str, arch, db, cat, trace, quotas, phase_chips, fail
                 duration_s: float):
     """(report JSON, per-request arrays, SimResult or None) of one policy on the trace."""
     from orchestrator.policy import PolicyConfig
-    from orchestrator.registry import ORACLE, make_policies
+    from orchestrator.pricing import ChipModelPricer
+    from orchestrator.registry import make_policies
 
-    from ..cluster import ClusterConfig, ClusterSim, ideal_report
+    from ..cluster import ClusterConfig, ClusterSim, ideal_at_load_report, ideal_report
     arr, inp, out_t = trace
-    if name == ORACLE:
+    pricer = ChipModelPricer(arch, cat)
+    if name in ("ideal", "ideal-at-load"):
         extra: dict = {}
-        rep = ideal_report(arch, db, arr, inp, out_t, cat, per_request=extra)
+        if name == "ideal":
+            rep = ideal_report(arch, db, arr, inp, out_t, cat, per_request=extra)
+        else:
+            rep = ideal_at_load_report(arch, db, arr, inp, out_t, pricer, per_request=extra)
         return {ph: r.to_json() for ph, r in rep.items()}, extra, None
     pcfg = PolicyConfig(failover_chips=failover)
     cfg = ClusterConfig(policy=pcfg, accuracy=args.accuracy, quotas=quotas, seed=args.seed,
+                        observe_routed=args.observe == "routed",
                         max_span_s=args.max_span * 3600.0)
-    sim = ClusterSim(arch, db, make_policies(name, db, pcfg, inp, out_t, phase_chips), cfg, cat)
+    sim = ClusterSim(arch, db, make_policies(name, db, pcfg, inp, out_t, phase_chips, cat,
+                                             pricer), cfg, cat)
     bar = progress_bar(not args.json, float(duration_s), f"{name} (simulated s)", "s")
     last = [0.0]
 
@@ -207,14 +214,18 @@ def write_minutes(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def write_timeline(path: Path, timeline: list[dict[str, Any]]) -> None:
-    """Per epoch, phase and group: the vPods the policy wanted."""
+    """Per epoch, phase and group: the vPods the policy wanted and the lengths routed to it
+    (the group id names its allocation: chip:topology/tp..pp..ep../b<batch>)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["t_s", "phase", "group", "vpods_target"])
+        w.writerow(["t_s", "phase", "group", "vpods_target", "min_len", "max_len"])
         for row in timeline:
-            for g, n in sorted(row["target"].items()):
-                w.writerow([f"{row['t_s']:.0f}", row["phase"], g, n])
+            lengths = row.get("lengths", {})
+            for g in sorted(set(row["target"]) | set(lengths)):
+                lo, hi = lengths.get(g, ("", ""))
+                w.writerow([f"{row['t_s']:.0f}", row["phase"], g, row["target"].get(g, 0),
+                            lo, hi])
 
 
 def add_parser(sub) -> None:
@@ -249,6 +260,11 @@ def add_parser(sub) -> None:
                     "default all. The SLOs stay those of the full database")
     sm.add_argument("--quota", help="chips per version, e.g. v5p=256,v6e=512")
     sm.add_argument("--failover-chips", help="chip versions fail-over may use (default: all)")
+    sm.add_argument("--observe", choices=["routed", "true-length"],
+                    default="routed" if cluster.observe_routed else "true-length",
+                    help="where the policy sees a mispredicted request's decode load: at the "
+                    "length its group serves (routed, as the live gateway sees it) or at its "
+                    "true length (how earlier versions observed) (default %(default)s)")
     sm.add_argument("--accuracy", type=fraction("--accuracy"), default=cluster.accuracy,
                     help=f"output-length prediction accuracy (default {cluster.accuracy:g}, "
                          "§5.1)")

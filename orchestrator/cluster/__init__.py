@@ -5,9 +5,10 @@ their life cycle, ``accounting`` the per-phase, per-minute and per-request repor
 Ideal oracle, ``report`` the plots.
 """
 
-from .accounting import Migration, PhaseReport, SimResult, ideal_report, ratios_vs_base
+from .accounting import (Migration, PhaseReport, SimResult, ideal_at_load_report, ideal_report,
+                         ratios_vs_base)
 from .fleet import Fleet, SimVPod
 from .simulator import ClusterConfig, ClusterSim
 
 __all__ = ["ClusterConfig", "ClusterSim", "Fleet", "Migration", "PhaseReport", "SimResult",
-           "SimVPod", "ideal_report", "ratios_vs_base"]
+           "SimVPod", "ideal_at_load_report", "ideal_report", "ratios_vs_base"]

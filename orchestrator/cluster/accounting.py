@@ -5,8 +5,9 @@ per request its latencies and energy; plus the Ideal oracle of §5.1 and ratios 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -186,3 +187,130 @@ def ideal_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens, output
     d.slo_met = int((multi & ok).sum())
     p.dropped, d.dropped = int((~ok).sum()), int((multi & ~ok).sum())
     return rep
+
+
+def ideal_at_load_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens, output_tokens,
+                         pricer, epoch_s: float = 300.0, chips: Sequence[str] | None = None,
+                         per_request: dict | None = None) -> dict[str, PhaseReport]:
+    """The reachable bound beside the paper's full-batch ``ideal``: each epoch (``epoch_s``),
+    every phase's load - the mean tokens/s of each sequence bucket - served at the least cost
+    any grouping can reach with no provisioning delay and no queueing: buckets split into
+    groups of consecutive lengths (routing is by length), each group on the Pareto point (of
+    its longest bucket, any chip or ``chips``) that meets the SLO of all its buckets on the chip
+    model and minimises ``ceil(sum of rate / throughput)`` vPods' static power (or price) plus
+    the tokens' dynamic energy; the split is an exact dynamic programme over the buckets. Every
+    request's tokens pay its group's cost per token. A bucket no point meets the SLO of takes
+    its fastest point alone (its requests miss the SLO). Requests beyond the largest bucket are
+    dropped, as everywhere."""
+    metric = db.meta.get("metric", "energy")
+    inp = np.asarray(input_tokens, np.int64)
+    out = np.asarray(output_tokens, np.int64)
+    arr = np.asarray(arrival_s, np.float64)
+    longest = db.edges[-1]
+    ok = (inp <= longest) & ((out <= 1) | (inp + out <= longest))
+    epoch = np.floor(arr / epoch_s).astype(np.int64)
+    rep = {ph: PhaseReport() for ph in PHASES}
+    multi = out > 1
+    per = {ph: np.zeros(len(inp)) for ph in PHASES}
+    slo_ok = {ph: np.zeros(len(inp), dtype=bool) for ph in PHASES}
+    nb = len(db.edges)
+    for ph in PHASES:
+        length = inp if ph == "prefill" else inp + out
+        tokens = inp if ph == "prefill" else out - 1
+        mask = ok & (tokens > 0)
+        b = np.searchsorted(np.asarray(db.edges), np.clip(length, 1, longest))
+        grid = _IdealGrid(db, pricer, ph, metric, chips)
+        r = rep[ph]
+        for e in np.unique(epoch[mask]).tolist():
+            sel = mask & (epoch == e)
+            rates = np.bincount(b[sel], weights=tokens[sel], minlength=nb) / epoch_s
+            prices = grid.solve(rates)           # bucket -> (J/token, $/token, meets SLO)
+            for idx in np.nonzero(sel)[0].tolist():
+                j, usd, met = prices[int(b[idx])]
+                n = int(tokens[idx])
+                r.energy_j += j * n
+                r.cost_usd += usd * n
+                per[ph][idx] = j * n
+                slo_ok[ph][idx] = met
+        r.tokens = int(tokens[mask].sum())
+    p, d = rep["prefill"], rep["decode"]
+    p.requests, d.requests = len(inp), int(multi.sum())
+    p.slo_met = int((slo_ok["prefill"] & ok).sum())
+    d.slo_met = int((slo_ok["decode"] & ok & multi).sum())
+    p.dropped, d.dropped = int((~ok).sum()), int((multi & ~ok).sum())
+    if per_request is not None:
+        per_request.update({"input": inp, "output": out, "ttft_s": np.full(len(inp), np.nan),
+                            "tpot_s": np.full(len(inp), np.nan),
+                            "prefill_energy_j": per["prefill"], "decode_energy_j": per["decode"]})
+    return rep
+
+
+class _IdealGrid:
+    """Per bucket j, its Pareto points (all chips) priced at every bucket i <= j on the chip
+    model: throughput, dynamic energy per token, SLO met; static power and price."""
+
+    def __init__(self, db: BestFitDB, pricer, phase: str, metric: str, chips):
+        from orchestrator.pricing import Alloc
+        self.db, self.pricer, self.phase, self.metric = db, pricer, phase, metric
+        self.chips = list(chips or db.chips)
+        self.slo = np.asarray(db.meta["slo_s"][phase])
+        self._Alloc = Alloc
+        self._cands: dict[int, list] = {}
+
+    def cands(self, j: int) -> list:
+        got = self._cands.get(j)
+        if got is None:
+            got = []
+            edges = self.db.edges
+            for chip in self.chips:
+                for p in self.db.pareto_for(self.phase, edges[j], chip):
+                    a = self._Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"],
+                                    p["ep"], p["batch"])
+                    cs = [self.pricer.cost(a, self.phase, edges[i]) for i in range(j + 1)]
+                    got.append((np.array([1.0 / c.throughput_tok_per_s for c in cs]),
+                                np.array([c.dyn_j_per_token for c in cs]),
+                                np.array([c.latency_s <= self.slo[i] for i, c in enumerate(cs)]),
+                                cs[-1].static_w, cs[-1].usd_per_s, cs[-1].latency_s))
+            self._cands[j] = got
+        return got
+
+    def solve(self, rates: np.ndarray) -> dict[int, tuple[float, float, bool]]:
+        """(J/token, $/token, SLO met) per active bucket of the cheapest grouping."""
+        act = [int(i) for i in np.nonzero(rates > 0)[0]]
+        m = len(act)
+        best = [0.0] + [math.inf] * m        # best[k]: the first k active buckets served
+        how: list = [None] * (m + 1)
+        for jj in range(m):
+            j = act[jj]
+            idx = np.array(act[:jj + 1])
+            r = rates[idx]
+            for inv_t, dyn, slo_ok, static_w, usd_s, _ in self.cands(j):
+                valid = np.logical_and.accumulate(slo_ok[idx][::-1])[::-1]
+                dem = np.cumsum((r * inv_t[idx])[::-1])[::-1]      # segment i..jj demand
+                dj = np.cumsum((r * dyn[idx])[::-1])[::-1]
+                n = np.ceil(dem - 1e-9)
+                energy = n * static_w + dj
+                usd = n * usd_s
+                cost = energy if self.metric == "energy" else usd
+                for ii in np.nonzero(valid)[0].tolist():
+                    c = best[ii] + cost[ii]
+                    if c < best[jj + 1]:
+                        best[jj + 1] = c
+                        how[jj + 1] = (ii, energy[ii], usd[ii], True)
+            if how[jj + 1] is None:          # nothing meets the SLO: the fastest point alone
+                fast = min(self.cands(j), key=lambda c: c[5])
+                n = max(1, math.ceil(rates[j] * fast[0][j] - 1e-9))
+                e_ = n * fast[3] + rates[j] * fast[1][j]
+                u_ = n * fast[4]
+                best[jj + 1] = best[jj] + (e_ if self.metric == "energy" else u_)
+                how[jj + 1] = (jj, e_, u_, False)
+        out: dict[int, tuple[float, float, bool]] = {}
+        k = m
+        while k > 0:
+            ii, energy, usd, met = how[k]
+            seg = act[ii:k]
+            total = float(rates[seg].sum())
+            for i in seg:
+                out[i] = (energy / total, usd / total, met)
+            k = ii
+        return out

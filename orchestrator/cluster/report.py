@@ -51,7 +51,46 @@ def plot_report(report: dict[str, Any], timelines: dict[str, list[dict[str, Any]
     for name, tl in timelines.items():
         paths.append(_plot_groups(plt, name, tl, "target", "vPods per group (policy target)",
                                   out / f"targets_{name.replace(':', '-')}.png"))
+        if any(x.get("lengths") for x in tl):
+            paths.append(_plot_allocations(plt, name, tl,
+                                           out / f"allocations_{name.replace(':', '-')}.png"))
     return paths
+
+
+def _plot_allocations(plt, name: str, rows, path: Path) -> Path:
+    """Per epoch and phase, the lengths each group serves (a bar over its bucket range),
+    coloured by chip version and labelled with the allocation and its vPod target: which
+    allocation the policy chose for which lengths, over time."""
+    import math
+    fig, axes = plt.subplots(2, 1, figsize=(12, 7.5), sharex=True)
+    chips: dict[str, str] = {}
+    for ax, ph in zip(axes, ("prefill", "decode")):
+        r = [x for x in rows if x["phase"] == ph]
+        for k, x in enumerate(r):
+            t0 = x["t_s"] / 3600
+            t1 = r[k + 1]["t_s"] / 3600 if k + 1 < len(r) else t0 + (
+                (r[1]["t_s"] - r[0]["t_s"]) / 3600 if len(r) > 1 else 1 / 12)
+            prev = r[k - 1].get("lengths", {}) if k else {}
+            for g, (lo, hi) in sorted(x.get("lengths", {}).items()):
+                chip = g.split(":", 1)[0]
+                color = chips.setdefault(chip, f"C{len(chips) % 10}")
+                y0, y1 = math.log2(max(lo, 1)), math.log2(hi)
+                ax.broken_barh([(t0, t1 - t0)], (y0, max(y1 - y0, 0.3)), facecolors=color,
+                               edgecolors="white", linewidth=0.3, alpha=0.8)
+                if prev.get(g) != (lo, hi):      # label where a group's range starts/changes
+                    alloc = g.split(":", 1)[-1]
+                    ax.text(t0, (y0 + y1) / 2, f"{chip}:{alloc} x{x['target'].get(g, 0)}",
+                            fontsize=5, va="center")
+        ax.set_ylabel("length served (log2 tokens)")
+        ax.set_title(f"{name} {ph}: the allocation each group runs, by the lengths it serves")
+    axes[-1].set_xlabel("time (h)")
+    from matplotlib.patches import Patch
+    axes[0].legend(handles=[Patch(color=c, label=k) for k, c in chips.items()], fontsize=7,
+                   loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _plot_minutes(plt, minutes, path: Path) -> Path:

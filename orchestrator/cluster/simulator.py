@@ -38,7 +38,7 @@ from router.routing import (MIGRATE_FACTOR, RoutingTable, bucket_indices, least_
                             make_before_break, should_migrate)
 from sim.lifecycle import STATS_QUERY_S
 from sim.stepcost import StepCostTable
-from sim.vpod import engine_batch
+from sim.vpod import TableCache, engine_batch
 
 from ..policy import Action, ActionKind, Plan, Policy, PolicyConfig, PolicyState, VPodRecord
 from ..window import ObservationWindow, chips_in_use
@@ -58,6 +58,11 @@ class ClusterConfig:
     warm_start: bool = True      # first plan at t=0 from the trace's first epoch
     cache_tables: bool = True    # keep step-cost tables on disk (next to the XLA-fit cache)
     make_before_break: bool = True   # off: route to a new group as soon as it is planned
+    # The decode load the policy observes: where the router sent it (True: a mispredicted
+    # request's tokens count at the length its group serves, as the live gateway, which knows
+    # only the prediction, counts them) or at the request's true length (False: how this
+    # simulator observed before the load-aware policy; the golden outputs use it).
+    observe_routed: bool = True
     # Refuse traces longer than this: each simulated 10 s costs a loop iteration whether or not
     # anything happens (a week: the longest real trace we know, the 2024 Azure week).
     max_span_s: float = 7 * 86400.0
@@ -108,22 +113,14 @@ class ClusterSim:
             if getattr(pol, "latency_fn", False) is None:
                 pol.latency_fn = self.latency_of
         self.rng = np.random.default_rng(config.seed)
-        self._tables: dict[Alloc, StepCostTable] = {}
+        self.tables = TableCache(arch, self.catalog, on_disk=config.cache_tables)
         self.fleet = Fleet(arch, self.catalog, self.rng, self.table, config.max_batched_tokens)
         self._kv_bytes = arch.kv_bytes_per_token()
         self._draws: list[float] = []
 
     # ---- allocations --------------------------------------------------------------------------
     def table(self, alloc: Alloc) -> StepCostTable:
-        t = self._tables.get(alloc)
-        if t is None:
-            from dse.cache import cache_path
-            from sim.chip import ChipModel
-            chip, topo, tp, pp, ep = alloc
-            cm = ChipModel.of(self.arch, self.catalog, chip, topo, tp, pp, ep)
-            cache = cache_path("stepcost") if self.cfg.cache_tables else None
-            t = self._tables[alloc] = StepCostTable(cm, cache_dir=cache)
-        return t
+        return self.tables(alloc)
 
     def latency_of(self, spec, phase: str, length: int) -> float:
         """TTFT (prefill: a virtual engine's full batch of ``length``-token prompts in one step)
@@ -280,14 +277,29 @@ class ClusterSim:
             if y <= 1:
                 tpot[r] = 0.0
                 continue
-            self._cur_d[req.tb[r]] += y
             segs = self._decode_segments(x, y)
+            self._observe_decode(req.tb[r], y, segs)
             at = q.finish_s + v.kv_transfer_s(x, self._kv_bytes)
             req.dec_start[r] = at
             g, m_end = segs[0]
             if len(segs) > 1:
                 self._segments[r] = segs
             self._submit("decode", g, r, at, x, m_end)
+
+    def _observe_decode(self, true_bucket: int, out: int, segs: list) -> None:
+        """A decoding request's tokens into this slice's load: each segment's tokens at the
+        request's bucket if its group serves that bucket, else at the length the group is
+        routed (its best-fit bucket): the load a group is sent is the load it is sized for."""
+        table = self._routing["decode"]
+        if not self.cfg.observe_routed or table is None:
+            self._cur_d[true_bucket] += out
+            return
+        prev = 0
+        for g, m_end in segs:
+            b = true_bucket if table.groups[true_bucket] == g else \
+                table.bucket(table.best_len.get(g, table.edges[true_bucket]))
+            self._cur_d[b] += m_end - prev
+            prev = m_end
 
     def _decode_done(self, v: SimVPod, done: list) -> None:
         """Finished decode segments: the request's next segment (a migration), or its TPOT."""
@@ -392,7 +404,8 @@ class ClusterSim:
             self._planned[ph] = plan.routing
             self._act(ph, plan, act)
             self.timeline.append({"t_s": now, "phase": ph, "target": dict(plan.target),
-                                  "actions": len(plan.actions)})
+                                  "actions": len(plan.actions),
+                                  "lengths": _lengths_served(plan.routing)})
         self.window.end_epoch()
         fleet.index_ready()
         self._route_tables(now)
@@ -477,3 +490,15 @@ class ClusterSim:
         return SimResult(reports, req.arr, req.inp, req.out, req.ttft, req.tpot, req.energy_j,
                          self.timeline, self.minutes, self.migrations,
                          list(self.fleet.vpods.values()), t_end)
+
+
+def _lengths_served(t) -> dict[str, tuple[int, int]]:
+    """Group -> (shortest, longest) length it is routed (bucket edges; a length in
+    ``(previous edge, edge]`` goes to the bucket of ``edge``)."""
+    out: dict[str, tuple[int, int]] = {}
+    lo = 1
+    for e, g in zip(t.edges, t.groups):
+        a, b = out.get(g, (lo, e))
+        out[g] = (min(a, lo), max(b, e))
+        lo = e + 1
+    return out

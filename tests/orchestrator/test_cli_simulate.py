@@ -32,7 +32,18 @@ def test_json_report_shape_ratios_and_outputs(tmp_path):
     assert r["ratios_vs_base"]["base"]["decode"]["tokens_per_j"] == 1.0
     assert r["ratios_vs_base"]["ideal"]["decode"]["tokens_per_j"] > 1.0
     assert (tmp_path / "summary.json").exists()
-    assert (tmp_path / "timeline_neuscale.csv").read_text().startswith("t_s,phase,group")
+    timeline = (tmp_path / "timeline_neuscale.csv").read_text().splitlines()
+    assert timeline[0] == "t_s,phase,group,vpods_target,min_len,max_len"
+    # per epoch and phase, the groups' length ranges tile 1..the largest bucket
+    spans: dict = {}
+    for row in timeline[1:]:
+        t, ph, g, _, lo, hi = row.split(",")
+        if lo:
+            spans.setdefault((t, ph), []).append((int(lo), int(hi)))
+    assert spans
+    for ranges in spans.values():
+        ranges.sort()
+        assert ranges[0][0] == 1 and all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))
     minutes = (tmp_path / "minutes_neuscale.csv").read_text().splitlines()
     assert minutes[0] == "t_s,phase,group,vpods,energy_j,finished,slo_rate"
     totals = [row.split(",") for row in minutes[1:] if row.split(",")[2] == "*"]
@@ -43,7 +54,7 @@ def test_json_report_shape_ratios_and_outputs(tmp_path):
     assert 0.8 * r["trace"]["requests"] <= done <= r["trace"]["requests"]
     pngs = {Path(f).name for f in r["plots"]}
     assert {"efficiency_slo.png", "vpods_neuscale.png", "vpods_base.png", "minutes.png",
-            "vs_length.png", "targets_neuscale.png"} <= pngs
+            "vs_length.png", "targets_neuscale.png", "allocations_neuscale.png"} <= pngs
     assert all((tmp_path / f).read_bytes()[:4] == b"\x89PNG" for f in pngs)
 
 

@@ -93,6 +93,23 @@ def test_verified_db_meets_slo_on_the_chip_model(llama8b_db, tmp_path):
     before = sum(on_chip(e) for e in db.entries if e.feasible)
     after = sum(e.meets_slo for e in v.entries if e.feasible)
     assert after >= before
+    # every Pareto point (what a load-aware policy may pick) carries its chip-model check
+    n = 0
+    for key in list(v.pareto)[::17]:
+        phase, edge, chip = key.split("|")
+        c = cat.get(chip)
+        slo = v.meta["slo_s"][phase][v.bucket_index(int(edge))]
+        for p in v.pareto_for(phase, int(edge), chip):
+            r = ChipModel(arch, c, ICITopology.parse(p["topology"]).for_chip(c),
+                          Parallelism(p["tp"], p["pp"], p["ep"])).step(phase, p["batch"],
+                                                                      int(edge))
+            assert p["cm_latency_s"] == pytest.approx(r.latency_s)
+            assert p["cm_meets_slo"] == (r.latency_s <= slo)
+            n += 1
+    assert n > 0
+    # verifying twice replaces the columns instead of adding them again
+    assert verify_db(v, arch).meta["pareto_columns"] == v.meta["pareto_columns"]
     out = tmp_path / "v.json"
     v.save(out)
     assert BestFitDB.load(out).lookup("decode", 3000) == v.lookup("decode", 3000)
+    assert BestFitDB.load(out).pareto == v.pareto

@@ -1,0 +1,323 @@
+"""The load-aware policy (``neuscale``): each group runs the Pareto point that is cheapest at
+its observed load (paper §3.3's Pareto fronts, §3.4's scale up/down; not in the paper).
+
+The paper's policy (:class:`orchestrator.policy.Policy`, ``neuscale-paper``) gives every group
+its buckets' best fit - the most efficient allocation *at full batch* - and sizes it in tokens
+at the throughput of one bucket. Both go wrong away from full load:
+
+* **Sizing.** A group serves several buckets, and an allocation's throughput falls with the
+  length it serves (prefill attention grows with the prompt, decode reads a longer KV cache): a
+  group sized at its shortest bucket's throughput under-provisions its long prompts (Llama3-70B
+  on the Mooncake trace: tp8 v6e-8 prefills 16 K-token prompts at 14.5 K tok/s, 128 K-token ones
+  at 5.2 K tok/s). Here a group's load is its *demand in vPods*: each bucket's token rate over
+  the allocation's throughput at that bucket's length, summed.
+* **Choice.** At a light load a group runs far below its best fit's batch and pays the static
+  power (or price) of whole vPods sized for tens of thousands of tokens/s. Here, every epoch,
+  each group (after the paper's grouping and coalescing) prices every Pareto point of its longest
+  bucket (all allowed chips) on the chip model (:mod:`orchestrator.pricing`) - latency at each of
+  its buckets (every one must meet its bucket's SLO), throughput and dynamic energy per token at
+  each bucket's length, static power and price - and takes the one whose cost of serving the
+  group's last-epoch load is least: ``N = ceil(peak demand)`` vPods' static cost plus the
+  tokens' dynamic energy (dollars: ``N`` x price).
+
+* **Headroom.** A request's TTFT is its wait plus its prefill, and the best fit is the most
+  efficient allocation whose prefill *alone* meets the SLO - often within a few per cent of it
+  (Llama3-70B's 20 K-token bucket: 4.29 s against 4.40 s). Sized at N = R / T, a group runs at
+  utilisation 1 and any queue breaks the SLO: that is why the paper's rule met the prefill SLO
+  for 30 % of Mooncake's long prompts for the first minutes while Base, whose one allocation is
+  fast for all but the longest prompts, met 93 %. Here a group gets the fewest vPods for which
+  a request waits longer than the slack its tightest bucket leaves (SLO / latency - 1 service
+  times) with probability at most 5 %, each vPod as many servers as requests it holds at once
+  (Erlang C with Allen-Cunneen's factor for deterministic service,
+  :func:`orchestrator.pricing.servers_needed`): a prefill vPod is one server (a step takes what
+  waits when it starts) and prefill vPods share one queue (a prompt goes to the vPod with the
+  least outstanding work); a decode vPod is its batch's slots, a queue of its own (a request
+  holds its slot to the end). A one-slot vPod with little slack must idle a lot, a large batch
+  runs nearly full, and the choice prices candidates the same way, so an allocation with no
+  slack, or a tiny batch, loses to one that has them. Decode
+  likewise, with no slack: a request waiting for a batch slot spreads the wait over its tokens,
+  and short answers have next to no slack in absolute time, so a decode group is sized for a
+  request to find a free slot (Erlang C at most 5 %) - cheap for large batches, which pool.
+
+Changing a running group's allocation is the paper's scale up/down: the new allocation is a new
+group (routing moves make-before-break, the old one drains), so it is done only when it pays:
+the saving over the window must exceed the new vPods' start-up (Table 3's creation, engine start
+and weight load at static cost), the better allocation must have been the better one for
+``rechoose_epochs`` epochs in a row (no flapping), and a group in an emergency (queue beyond its
+batch slots) first scales out what it runs. Groups whose choices coincide are one group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+
+from dse.db import BestFitDB
+
+from .policy import (Action, ActionKind, GroupSpec, Observation, Policy, PolicyConfig,
+                     PolicyState, _GroupLoad)
+from .pricing import (Alloc, ChipModelPricer, LoadCost, Pricer, cost_per_s, servers_needed,
+                      startup_cost)
+
+REASON_KEEP = "kept"
+
+
+def alloc_of(spec: GroupSpec) -> Alloc:
+    e = spec.entry
+    return Alloc(e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep, e.max_batch)
+
+
+class LoadAwarePolicy(Policy):
+    """:class:`Policy` with the allocation of every group chosen at its load (module doc)."""
+
+    def __init__(self, db: BestFitDB, phase: str, config: PolicyConfig = PolicyConfig(),
+                 pricer: Pricer | None = None, latency_fn=None):
+        if pricer is None:
+            from dse.catalog import default_catalog
+            from dse.models import ModelArch
+            pricer = ChipModelPricer(ModelArch(**db.meta["model_arch"]), default_catalog())
+        if latency_fn is None:          # the coalescing SLO check asks the same chip model
+            def latency_fn(spec: GroupSpec, phase: str, length: int) -> float:
+                return pricer.cost(alloc_of(spec), phase, length).latency_s
+        super().__init__(db, phase, config, latency_fn=latency_fn)
+        self.pricer = pricer
+        self.metric = db.meta.get("metric", "energy")
+        self._slack: dict[str, tuple[float, int, bool]] = {}
+        # a decoding request joins its batch at a step boundary: its first step starts up to one
+        # step late, so a request of m decode steps sees up to (m + 1) / m steps' time per token.
+        # Load-aware picks run their vPods busy, at their full batch's TPOT (a best fit at a
+        # light load runs small batches, far below its SLO): they must leave that step, m = 2.
+        self._margin = 1.0 if phase == "prefill" else config.decode_step_margin
+        self._cands: dict[tuple[int, ...], list[tuple[GroupSpec, list]]] = {}
+
+    # ---- sizing in demand ---------------------------------------------------------------------
+    def slack(self, costs: list, buckets: list[int]) -> float:
+        """Service times a request of the group may wait: for prefill its tightest bucket's
+        SLO over the allocation's latency there, minus 1; for decode none - a request's wait
+        for a batch slot is spread over its tokens, and the shortest outputs (most of them:
+        27 tokens on average on the Azure coding day) have almost no slack in absolute time."""
+        if self.phase != "prefill":
+            return 0.0
+        return max(0.0, min(self._slo[i] / c.latency_s - 1.0 for c, i in zip(costs, buckets)))
+
+    def per_vpod(self, costs: list, buckets: list[int]) -> int:
+        """Servers in a vPod. Decode: the sequences it holds at once (throughput x TPOT at the
+        group's longest bucket), each a slot a request keeps to its end. Prefill: one - a step
+        takes what is waiting when it starts, so a prompt that arrives during a step waits for
+        it whatever the batch has room for."""
+        if self.phase == "prefill":
+            return 1
+        c = costs[-1]
+        return max(1, round(c.throughput_tok_per_s * c.latency_s))
+
+    def _demand(self, g: str, spec: GroupSpec, load: _GroupLoad) -> tuple[np.ndarray, float]:
+        """Demand in vPods, expressed in tokens/s at the throughput of the group's longest
+        bucket (so R / T reads as before): sum over buckets of rate x T_longest / T_bucket."""
+        buckets = sorted(i for i in load.b2g if load.b2g[i] == g)
+        a = alloc_of(spec)
+        costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in buckets]
+        self._slack[g] = (self.slack(costs, buckets), self.per_vpod(costs, buckets),
+                          self.phase == "prefill")
+        t_ref = costs[-1].throughput_tok_per_s
+        weight = {i: t_ref / c.throughput_tok_per_s for i, c in zip(buckets, costs)}
+        return load.weighted(g, weight), t_ref
+
+    def _recent_peak(self, s: np.ndarray) -> float:
+        """The window's peak (the paper's R_peak): small vPods sized at the last epoch's peak
+        have no room for the next epoch's bursts."""
+        return float(s.max())
+
+    def _n_pod(self, g: str, r: float, T: float) -> int:
+        return servers_needed(r / T, *self._slack.get(g, (math.inf, 1, True)))
+
+    # ---- grouping and choice: the cheapest partition at load ----------------------------------
+    def _regroup(self, load: _GroupLoad, specs: dict[str, GroupSpec], obs: Observation,
+                 state: PolicyState, owned: set[str], actions: list[Action]) -> None:
+        """Replace the best-fit groups by the cheapest grouping of the buckets with traffic at
+        their load (the paper's coalescing is one of the groupings this considers), then
+        emit the group creations."""
+        b2g = load.b2g
+        if b2g:
+            self._choose(load, specs, obs, state, actions)
+        for g in sorted(set(b2g.values())):
+            if g not in owned:
+                actions.append(Action(ActionKind.CREATE_GROUP, g, "serves bucket(s) <= "
+                                      + ", ".join(str(self.edges[i]) for i in sorted(b2g)
+                                                  if b2g[i] == g)))
+
+    def _choose(self, load: _GroupLoad, specs: dict[str, GroupSpec], obs: Observation,
+                state: PolicyState, actions: list[Action]) -> None:
+        b2g = load.b2g
+        buckets = sorted(b2g)
+        n_epoch = max(1, int(round(self.cfg.epoch_s / self.cfg.sample_s)))
+        window = load.matrix(buckets)             # sizing: the window's peak (_recent_peak)
+        mean = window[-n_epoch:].mean(axis=0)
+        fallback = {i: specs[b2g[i]] for i in buckets}
+        new = self._partition(buckets, window, mean, fallback)
+        cur = self._current_partition(buckets, window, mean, state)
+        parts, why = self._settle(new, cur, obs, state)
+        b2g.clear()
+        state.chosen, state.allocs = {}, {}
+        for seg, spec, cost in parts:
+            for i in seg:
+                b2g[i] = spec.id
+                state.chosen[i] = spec.id
+            specs[spec.id] = spec
+            state.allocs[spec.id] = spec
+            actions.append(Action(ActionKind.CHOOSE, spec.id, self._why(spec, cost, why),
+                                  spec.entry.chip, spec.entry.topology, 0))
+
+    def _settle(self, new: list, cur: list | None, obs: Observation, state: PolicyState
+                ) -> tuple[list, str]:
+        """The partition to run: the cheapest (``new``) unless switching away from what runs
+        (``cur``) does not pay, has not held for ``rechoose_epochs`` epochs, or a group of it
+        is in an emergency (see the module docstring)."""
+        sig = tuple((tuple(seg), spec.id) for seg, spec, _ in new)
+        if cur is None:
+            state.pending = {}
+            return new, "chosen at load"
+        if sig == tuple((tuple(seg), spec.id) for seg, spec, _ in cur):
+            state.pending = {}
+            return cur, REASON_KEEP + " (cheapest at load)"
+        for _, spec, _ in cur:
+            queue = obs.group_peak_queue.get(spec.id, 0)
+            if queue > sum(v.max_batch for v in obs.inventory if v.group == spec.id):
+                return cur, REASON_KEEP + ": an emergency scales out what runs first"
+        saving = (sum(c.per_s for _, _, c in cur) - sum(c.per_s for _, _, c in new)) \
+            * self.cfg.window_s
+        running = {spec.id for _, spec, _ in cur}
+        payback = sum(startup_cost(self.pricer.cost(alloc_of(spec), self.phase,
+                                                    self.edges[seg[-1]]), c.vpods, self.metric)
+                      for seg, spec, c in new if spec.id not in running)
+        seen = state.pending.get(-1)
+        count = seen[1] + 1 if seen and seen[0] == repr(sig) else 1
+        if saving <= payback or count < self.cfg.rechoose_epochs:
+            state.pending = {-1: (repr(sig), count)}
+            return cur, (f"{REASON_KEEP}: the cheapest grouping saves {saving:.3g} over the "
+                         f"window against {payback:.3g} to start it, cheapest {count} of "
+                         f"{self.cfg.rechoose_epochs} epochs")
+        state.pending = {}
+        return new, f"re-chosen: saves {saving:.3g} over the window, start-up {payback:.3g}"
+
+    def _current_partition(self, buckets: list[int], window: np.ndarray, mean: np.ndarray,
+                           state: PolicyState) -> list | None:
+        """What ran last epoch, priced at this load; None when a bucket with traffic had no
+        group or its group's allocation no longer meets one of its buckets' SLO."""
+        groups: dict[str, list[int]] = {}
+        for k, i in enumerate(buckets):
+            g = state.chosen.get(i)
+            if g is None or g not in state.allocs:
+                return None
+            groups.setdefault(g, []).append(k)
+        out = []
+        for g, ks in groups.items():
+            spec = state.allocs[g]
+            a = alloc_of(spec)
+            seg = [buckets[k] for k in ks]
+            costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in seg]
+            if any(c.latency_s > self._slo[i] * self._margin for c, i in zip(costs, seg)):
+                return None
+            out.append((seg, spec, self._load_cost(costs, seg, window[:, ks], mean[ks])))
+        return sorted(out, key=lambda p: p[0][0])
+
+    def _load_cost(self, costs: list, seg: list[int], window: np.ndarray, mean) -> LoadCost:
+        return cost_per_s(costs, window, [float(x) for x in mean], self.metric,
+                          self.slack(costs, seg), self.per_vpod(costs, seg),
+                          self.phase == "prefill")
+
+    def _partition(self, buckets: list[int], window: np.ndarray, mean: np.ndarray,
+                   fallback: dict[int, GroupSpec]) -> list:
+        """The cheapest split of the buckets into groups of consecutive lengths, each on the
+        Pareto point (of its longest bucket) that serves it cheapest at its load and meets
+        the SLO of all its buckets: an exact dynamic programme, pruned by the cost without
+        queueing headroom (a lower bound). A bucket no point serves alone takes its best fit."""
+        m = len(buckets)
+        best = [0.0] + [math.inf] * m
+        how: list = [None] * (m + 1)
+        for j in range(m):
+            for spec, arrs in self._front(buckets, j):
+                inv_t, dyn, ok, slack = arrs["inv_t"], arrs["dyn"], arrs["ok"], arrs["slack"]
+                valid = np.logical_and.accumulate(ok[::-1])[::-1]
+                if not valid[j]:
+                    continue
+                cum = np.cumsum((window[:, :j + 1] * inv_t)[:, ::-1], axis=1)[:, ::-1]
+                peaks = cum.max(axis=0)
+                dj = np.cumsum((mean[:j + 1] * dyn)[::-1])[::-1]
+                sl = np.minimum.accumulate(slack[::-1])[::-1]
+                static = arrs["static"]
+                for i in range(j, -1, -1):
+                    if not valid[i]:
+                        break
+                    lower = math.ceil(peaks[i] - 1e-9) * static + (dj[i] if self.metric ==
+                                                                   "energy" else 0.0)
+                    if best[i] + lower >= best[j + 1]:
+                        continue
+                    n = servers_needed(float(peaks[i]), float(sl[i]), arrs["per_vpod"],
+                                       self.phase == "prefill")
+                    cost = n * static + (dj[i] if self.metric == "energy" else 0.0)
+                    if best[i] + cost < best[j + 1]:
+                        best[j + 1] = best[i] + cost
+                        how[j + 1] = (i, spec, n, float(peaks[i]), cost, float(mean[i:j + 1].sum()))
+            if how[j + 1] is None:              # nothing meets this bucket's SLO: its best fit
+                spec = fallback[buckets[j]]
+                costs = [self.pricer.cost(alloc_of(spec), self.phase, self.edges[buckets[j]])]
+                c = self._load_cost(costs, [buckets[j]], window[:, [j]], mean[[j]])
+                best[j + 1] = best[j] + c.per_s
+                how[j + 1] = (j, spec, c.vpods, c.demand_peak, c.per_s, float(mean[j]))
+        out = []
+        k = m
+        while k > 0:
+            i, spec, n, peak, cost, total = how[k]
+            seg = buckets[i:k]
+            out.append((seg, spec, LoadCost(n, cost, cost / total if total > 0 else math.inf,
+                                            peak)))
+            k = i
+        return out[::-1]
+
+    def _front(self, buckets: list[int], j: int) -> list[tuple[GroupSpec, dict]]:
+        """The Pareto points of bucket ``buckets[j]`` (allowed chips) as group specs, each
+        priced at every bucket up to it: 1 / throughput, dynamic energy per token, SLO met
+        (with the decode margin), slack, static cost per second, servers per vPod."""
+        key = (tuple(buckets[:j + 1]))
+        got = self._cands.get(key)
+        if got is not None:
+            return got
+        leader = buckets[j]
+        edge = self.edges[leader]
+        seg = buckets[:j + 1]
+        out = []
+        for chip in (self.chips or self.db.chips):
+            base = self._entry(leader, chip)
+            if base is None:
+                continue
+            for p in self.db.pareto_for(self.phase, edge, chip):
+                if p.get("cm_meets_slo") is False:    # `dse verify` found it misses its SLO
+                    continue
+                a = Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"], p["ep"],
+                          p["batch"])
+                costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in seg]
+                c = costs[-1]
+                e = replace(base, topology=a.topology, num_chips=a.num_chips, tp=a.tp, pp=a.pp,
+                            ep=a.ep, max_batch=a.batch, latency_s=c.latency_s,
+                            throughput_tok_per_s=c.throughput_tok_per_s, meets_slo=True)
+                lat = np.array([x.latency_s for x in costs])
+                slo = np.array([self._slo[i] for i in seg])
+                out.append((GroupSpec.of(e), {
+                    "inv_t": np.array([1.0 / x.throughput_tok_per_s for x in costs]),
+                    "dyn": np.array([x.dyn_j_per_token for x in costs]),
+                    "ok": lat <= slo * self._margin,
+                    "slack": (np.maximum(slo / lat - 1.0, 0.0) if self.phase == "prefill"
+                              else np.zeros(len(seg))),
+                    "static": c.static_w if self.metric == "energy" else c.usd_per_s,
+                    "per_vpod": self.per_vpod(costs, seg)}))
+        if len(self._cands) > 4096:
+            self._cands.clear()
+        self._cands[key] = out
+        return out
+
+    def _why(self, spec: GroupSpec, c: LoadCost, what: str) -> str:
+        unit = "J" if self.metric == "energy" else "USD"
+        return (f"{what}: {c.vpods} vPod(s) for {c.demand_peak:.2f} vPods of demand, "
+                f"{c.per_token:.3g} {unit}/token")

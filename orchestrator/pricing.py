@@ -1,0 +1,180 @@
+"""What an allocation costs at a given load (paper §3.3-3.4; the load-aware choice).
+
+A best fit is the most efficient allocation *at full batch*. At a light load a group runs far
+below that batch and its energy (or dollars) is mostly the static power (or price) of however
+many vPods are up, so the cheapest allocation depends on the load. :class:`ChipModelPricer`
+prices an allocation (a Pareto point: chip, pod shape, TP/PP/EP, batch) at a sequence length on
+the chip model (the same step-cost tables the simulated engines run on, so a pick is verified
+where it will run):
+
+* ``latency_s`` - TTFT of the batch (prefill) or TPOT (decode) at that length, the DSE's
+  definition (pipeline-parallel micro-batches included);
+* ``throughput_tok_per_s`` - the whole vPod at that batch in steady state;
+* ``dyn_j_per_token`` - the energy of those steps beyond static power, per token;
+* ``static_w`` and ``usd_per_s`` - the vPod's static power and price, paid whether busy or not;
+* ``startup_s`` - Table 3's creation + engine start + weight download and load (the time a new
+  vPod costs static power before it serves).
+
+:func:`cost_per_s` turns these into the cost of serving a load: ``N = ceil(peak demand)`` vPods
+(demand in vPods: tokens/s over the throughput at each bucket's length) paying static cost, plus
+the dynamic energy of the tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from dse.catalog import Catalog
+from dse.models import ModelArch
+from dse.parallel import max_weights_bytes
+from sim.chip import ChipModel
+from sim.lifecycle import CREATE_S, ENGINE_START_S, LOAD_BW_BYTES_PER_S
+
+
+@dataclass(frozen=True)
+class Alloc:
+    """An allocation a group may run: a Pareto point of the DSE."""
+    chip: str
+    topology: str
+    num_chips: int
+    tp: int
+    pp: int
+    ep: int
+    batch: int
+
+    @property
+    def key(self) -> tuple[str, str, int, int, int]:
+        return (self.chip, self.topology, self.tp, self.pp, self.ep)
+
+
+@dataclass(frozen=True)
+class PointCost:
+    latency_s: float
+    throughput_tok_per_s: float
+    dyn_j_per_token: float
+    static_w: float
+    usd_per_s: float
+    startup_s: float
+
+
+class Pricer(Protocol):
+    def cost(self, alloc: Alloc, phase: str, length: int) -> PointCost: ...
+
+
+class ChipModelPricer:
+    """Prices allocations on the per-operator chip model (what ``dse verify`` runs; memoised
+    per allocation, phase and length): the DSE's pipelined view of a batch - latency of the
+    batch, steady-state cycle, energy per cycle."""
+
+    def __init__(self, arch: ModelArch, catalog: Catalog):
+        self.arch, self.catalog = arch, catalog
+        self._models: dict[tuple, ChipModel] = {}
+        self._memo: dict[tuple, PointCost] = {}
+
+    def cost(self, alloc: Alloc, phase: str, length: int) -> PointCost:
+        key = (alloc, phase, int(length))
+        c = self._memo.get(key)
+        if c is None:
+            c = self._memo[key] = self._price(alloc, phase, int(length))
+        return c
+
+    def _price(self, a: Alloc, phase: str, n: int) -> PointCost:
+        cm = self._models.get(a.key)
+        if cm is None:
+            cm = self._models[a.key] = ChipModel.of(self.arch, self.catalog, *a.key)
+        r = cm.step(phase, a.batch, n)
+        static_w = cm.hw.static_power_w * cm.par.chips
+        chip = self.catalog.get(a.chip)
+        shard = max_weights_bytes(self.arch, cm.par)
+        startup = (sum(CREATE_S) / 2 + ENGINE_START_S + shard / chip.dcn_bw_bytes_per_s
+                   + shard / LOAD_BW_BYTES_PER_S)
+        return PointCost(latency_s=r.latency_s, throughput_tok_per_s=r.throughput_tok_per_s,
+                         dyn_j_per_token=max(0.0, r.energy_j - static_w * r.cycle_s) / r.tokens,
+                         static_w=static_w, usd_per_s=chip.vpod_usd(a.num_chips, 1.0),
+                         startup_s=startup)
+
+
+@dataclass(frozen=True)
+class LoadCost:
+    """A candidate's cost of serving a load."""
+    vpods: int                  # ceil(peak demand)
+    per_s: float                # J/s (energy) or $/s (cost)
+    per_token: float            # per served token at the mean load
+    demand_peak: float          # vPods' worth of work at the peak
+
+
+def erlang_c(n: int, a: float) -> float:
+    """Probability that an arrival waits in an M/M/n queue with offered load ``a`` (< n)."""
+    b = 1.0
+    for k in range(1, n + 1):                      # Erlang B by the stable recursion
+        b = a * b / (k + a * b)
+    return n * b / (n - a * (1.0 - b))
+
+
+def servers_needed(a: float, slack: float, per_vpod: int = 1, pooled: bool = True,
+                   miss: float = 0.05, cap: int = 4096) -> int:
+    """vPods for ``a`` vPods' worth of work, each vPod ``per_vpod`` servers (the requests it
+    holds at once: its batch, pipeline stages included), when a request may wait ``slack``
+    service times (its SLO over its latency, minus 1): the fewest vPods for which the
+    probability of waiting longer is at most ``miss``.
+
+    Waits are M/M/k's (Erlang C: C(k, b) exp(-(k - b) t) for k servers, b busy on average)
+    scaled for deterministic service by Allen-Cunneen's (c_a^2 + c_s^2) / 2 = 1/2 (Poisson
+    arrivals; work of a given length takes a given time): C(k, b) exp(-2 (k - b) slack).
+    ``pooled``: the vPods share one queue (k = n x per_vpod: requests routed to the vPod with
+    the least outstanding work, as prefill is); else every vPod is a queue of its own with a /
+    n of the load (a decoding request holds its slot to the end and cannot move).
+    ``slack = inf``: ``ceil(a)``, the paper's N = R / T."""
+    if a <= 0:
+        return 0
+    n_vpods = max(1, math.ceil(a - 1e-9))
+    if math.isinf(slack):
+        return n_vpods
+    k = max(1, int(per_vpod))
+    s = max(slack, 0.0)
+    while n_vpods < cap:
+        servers, busy = (n_vpods * k, a * k) if pooled else (k, a * k / n_vpods)
+        if busy < servers and \
+                erlang_c(servers, busy) * math.exp(-2.0 * (servers - busy) * s) <= miss:
+            break
+        n_vpods += 1
+    return n_vpods
+
+
+def cost_per_s(costs: Sequence[PointCost], peak_rates: np.ndarray, mean_rates: Sequence[float],
+               metric: str, slack: float = math.inf, per_vpod: int = 1,
+               pooled: bool = True) -> LoadCost:
+    """Serving per-bucket token rates with one allocation (``costs[k]``: its numbers at bucket
+    ``k``'s length). ``peak_rates``: samples x buckets (the window's last epoch), sizing the
+    vPods (:func:`servers_needed` with the allocation's ``slack``); ``mean_rates``: tokens/s per
+    bucket, paying the dynamic energy."""
+    inv_t = np.array([1.0 / c.throughput_tok_per_s for c in costs])
+    demand = np.asarray(peak_rates, dtype=np.float64) @ inv_t if len(inv_t) else np.zeros(1)
+    peak = float(demand.max()) if demand.size else 0.0
+    n = servers_needed(peak, slack, per_vpod, pooled)
+    c0 = costs[0]
+    if metric == "energy":
+        per_s = n * c0.static_w + sum(r * c.dyn_j_per_token for r, c in zip(mean_rates, costs))
+    else:
+        per_s = n * c0.usd_per_s
+    total = float(sum(mean_rates))
+    return LoadCost(n, per_s, per_s / total if total > 0 else math.inf, peak)
+
+
+def startup_cost(c: PointCost, vpods: int, metric: str) -> float:
+    """What starting ``vpods`` new vPods costs before they serve (Table 3's start-up at static
+    power or price)."""
+    per_s = c.static_w if metric == "energy" else c.usd_per_s
+    return vpods * c.startup_s * per_s
+
+
+def static_per_s(c: PointCost, metric: str) -> float:
+    return c.static_w if metric == "energy" else c.usd_per_s
+
+
+__all__ = ["Alloc", "ChipModelPricer", "LoadCost", "PointCost", "Pricer", "cost_per_s",
+           "erlang_c", "servers_needed", "startup_cost", "static_per_s"]

@@ -1,0 +1,175 @@
+"""The load-aware policy (`neuscale`) on the real llama3-8b database and chip model."""
+import math
+
+import numpy as np
+import pytest
+
+from dse import load_model
+from orchestrator.cluster import ClusterConfig, ClusterSim, ideal_at_load_report
+from orchestrator.loadaware import LoadAwarePolicy, alloc_of
+from orchestrator.policy import Observation, Policy, PolicyConfig, VPodRecord
+from orchestrator.pricing import ChipModelPricer, erlang_c, servers_needed
+from orchestrator.registry import make_policies
+
+N = 180
+ARCH = load_model("llama3-8b")
+
+
+@pytest.fixture(scope="module")
+def db(llama8b_db):
+    return llama8b_db[0]
+
+
+@pytest.fixture(scope="module")
+def pricer(db):
+    from dse import default_catalog
+    return ChipModelPricer(ARCH, default_catalog())
+
+
+def flat(x, n=N):
+    return np.full(n, float(x))
+
+
+def chosen(plan):
+    return {a.group: a for a in plan.actions if a.kind == "choose_allocation"}
+
+
+def inventory(plan, state="ready"):
+    """The vPods the plan ordered, as running ones."""
+    return [VPodRecord(f"{a.group}#{k}", a.group, a.chip, a.topology,
+                       plan.groups[a.group].entry.num_chips, state,
+                       throughput_tok_per_s=plan.groups[a.group].entry.throughput_tok_per_s,
+                       max_batch=plan.groups[a.group].entry.max_batch)
+            for a in plan.actions if a.kind == "create" for k in range(a.count)]
+
+
+def test_a_light_load_runs_a_smaller_allocation_than_the_full_batch_best_fit(db, pricer):
+    i = 24                                             # decode bucket <= 20K
+    best = db.entry_at("decode", i)
+    light = 0.02 * best.throughput_tok_per_s
+    obs = Observation(0.0, {i: flat(light)})
+    aware = LoadAwarePolicy(db, "decode", pricer=pricer).plan(obs)
+    (g, a), = chosen(aware).items()
+    e = aware.groups[g].entry
+    # a smaller vPod (chips x batch) than the best fit ...
+    assert e.num_chips * e.max_batch < best.num_chips * best.max_batch
+    # ... priced on the chip model at this load: N vPods' static power + dynamic energy,
+    # N sized with queueing headroom (orchestrator.pricing.servers_needed)
+    assert "J/token" in a.reason and "vPod(s)" in a.reason
+    assert "chosen at load" in a.reason and str(aware.target[g]) in a.reason
+
+
+def test_the_simulated_energy_per_token_drops_on_a_light_trace(db):
+    rng = np.random.default_rng(2)
+    n = 400
+    arr = np.sort(rng.uniform(0, 900, n))            # ~0.4 requests/s
+    inp, out = rng.integers(200, 3000, n), rng.integers(20, 400, n)
+    cfg = ClusterConfig(seed=1)
+    res = {name: ClusterSim(ARCH, db, make_policies(name, db, cfg.policy, inp, out), cfg)
+           .run(arr, inp, out).to_json() for name in ("neuscale", "neuscale-paper")}
+    aware, paper = res["neuscale"]["decode"], res["neuscale-paper"]["decode"]
+    assert aware["tokens_per_j"] > 1.2 * paper["tokens_per_j"]
+    assert aware["slo_rate"] >= 0.95
+
+
+def test_no_pick_misses_a_served_buckets_slo_on_the_chip_model(db, pricer):
+    rng = np.random.default_rng(0)
+    slo = db.meta["slo_s"]
+    for phase in ("prefill", "decode"):
+        pol = LoadAwarePolicy(db, phase, pricer=pricer)
+        for _ in range(6):
+            buckets = sorted(rng.choice(40, size=5, replace=False).tolist())
+            obs = Observation(0.0, {int(b): flat(rng.uniform(10, 5e4)) for b in buckets})
+            plan = pol.plan(obs)
+            for g, spec in plan.groups.items():
+                served = [i for i, gg in enumerate(plan.routing.groups) if gg == g
+                          and i in buckets]
+                for i in served:
+                    lat = pricer.cost(alloc_of(spec), phase, db.edges[i]).latency_s
+                    assert lat <= slo[phase][i] * (1 + 1e-12), (phase, g, i)
+
+
+def test_a_steady_load_never_flaps_and_a_load_step_scales_out_first(db, pricer):
+    i, low = 4, 1000.0
+    pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+    plan = pol.plan(Observation(0.0, {i: flat(low)}))
+    (g0,) = chosen(plan)
+    state, inv = plan.state, inventory(plan)
+    for k in range(1, 8):                                # steady: the same allocation
+        plan = pol.plan(Observation(300.0 * k, {i: flat(low)}, inv), state)
+        assert set(chosen(plan)) == {g0} and "kept" in chosen(plan)[g0].reason
+        state = plan.state
+    # a load at which another point is cheapest
+    t0 = plan.groups[g0].entry.throughput_tok_per_s
+    # (a high one: the saving over the window must pay back the new vPods' start-up)
+    high = next(r for r in (1e6, 3e6, 1e7) if set(chosen(LoadAwarePolicy(
+        db, "decode", pricer=pricer).plan(Observation(0.0, {i: flat(r)})))) != {g0})
+    assert high > 2 * t0
+    # a load step: the running allocation scales out in this epoch ...
+    step = Observation(2400.0, {i: np.concatenate([flat(low, N - 30), flat(high, 30)])}, inv)
+    plan = pol.plan(step, state)
+    assert set(chosen(plan)) == {g0}
+    assert plan.target[g0] > len(inv)
+    # ... and re-chooses only once the better point has been the better one for
+    # rechoose_epochs epochs in a row (and pays back its start-up)
+    state, inv = plan.state, inv + inventory(plan)
+    switched_at = None
+    for k in range(1, 8):
+        plan = pol.plan(Observation(2400.0 + 300 * k, {i: flat(high)}, inv), state)
+        state = plan.state
+        if set(chosen(plan)) != {g0}:
+            switched_at = k
+            assert "re-chosen" in next(iter(chosen(plan).values())).reason
+            break
+    # the step's epoch was the first in which the other point was cheapest
+    assert switched_at is not None and switched_at + 1 >= PolicyConfig().rechoose_epochs
+
+
+def test_erlang_sizing():
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)              # M/M/1: P(wait) = rho
+    assert servers_needed(3.2, math.inf) == 4                   # the paper's ceil(R / T)
+    # little slack needs idle room; pooling many servers needs little
+    assert servers_needed(0.5, 0.05) > servers_needed(0.5, 2.0) >= 1
+    assert servers_needed(40.0, 0.5) / 40.0 < servers_needed(2.0, 0.5) / 2.0
+    # decode vPods with large batches run nearly full; tiny batches need headroom
+    assert servers_needed(4.0, 0.0, per_vpod=256, pooled=False) <= 5
+    assert servers_needed(4.0, 0.0, per_vpod=2, pooled=False) >= 8
+
+
+def test_ideal_at_load_is_between_the_policies_and_the_full_batch_ideal(db, pricer):
+    from orchestrator.cluster import ideal_report
+    rng = np.random.default_rng(5)
+    n = 300
+    arr = np.sort(rng.uniform(0, 900, n))
+    inp, out = rng.integers(100, 4000, n), rng.integers(5, 300, n)
+    at_load = ideal_at_load_report(ARCH, db, arr, inp, out, pricer)
+    full = ideal_report(ARCH, db, arr, inp, out)
+    cfg = ClusterConfig(seed=3)
+    sim = ClusterSim(ARCH, db, make_policies("neuscale", db, cfg.policy, inp, out), cfg)
+    run = sim.run(arr, inp, out).reports
+    for ph in ("prefill", "decode"):
+        eff = {k: r[ph].to_json()["tokens_per_j"] for k, r in
+               (("at_load", at_load), ("full", full), ("run", run))}
+        assert eff["run"] <= eff["at_load"] * 1.001 <= eff["full"] * 1.001, (ph, eff)
+        assert at_load[ph].tokens == full[ph].tokens
+
+
+def test_the_controllers_saved_state_plans_like_the_live_one(db, pricer):
+    """The controller persists the policy's memory (EWMA peaks, the chosen allocations and a
+    pending re-choice) across a restart: a policy fed the reloaded state plans the same."""
+    import json
+
+    from orchestrator.controller import _policy_state_from_json, _policy_state_to_json
+    pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+    first = pol.plan(Observation(0.0, {20: flat(50.0), 24: flat(5.0)}))
+    obs = Observation(300.0, {20: flat(400.0), 24: flat(5.0)}, inventory=inventory(first))
+    state = first.state
+    saved = _policy_state_from_json(json.loads(json.dumps(_policy_state_to_json(state))))
+    assert saved.chosen == state.chosen and saved.allocs == state.allocs
+    assert saved.pending == state.pending
+    assert set(saved.groups) == set(state.groups)
+    a, b = pol.plan(obs, state), pol.plan(obs, saved)
+    assert a.explain() == b.explain() and a.target == b.target
+    # a state file from before the load-aware policy (groups only) still loads
+    old = {g: {"ewma_peak": 3.0, "last_shrink_s": None} for g in state.groups}
+    assert set(_policy_state_from_json(old).groups) == set(state.groups)
