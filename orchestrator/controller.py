@@ -100,6 +100,7 @@ class Controller:
         self._session: aiohttp.ClientSession | None = None
         self._n = 0
         self._log_buf: list[dict[str, Any]] = []
+        self._checking: set[str] = set()
 
     # ---- clocks -------------------------------------------------------------------------------
     def now_cp(self) -> float:
@@ -236,6 +237,24 @@ class Controller:
                 n = self._health_fail[v.id] = self._health_fail.get(v.id, 0) + 1
                 if n >= self.cfg.health_failures:
                     self._dead(v)
+
+    def vpod_failed(self, vid: str) -> None:
+        """The gateway saw ``vid`` fail under a request: check it now, not at the next
+        sample, and replace it at once if it does not answer (a group whose only vPod died
+        gets its replacement started while the request waits for it)."""
+        v = self.vpods.get(vid)
+        if v is None or v.state != VPodState.READY or vid in self._checking:
+            return
+        self._checking.add(vid)
+
+        async def check() -> None:
+            try:
+                ok, _ = await self._scrape(v)
+                if not ok and self.vpods.get(vid) is v and v.state == VPodState.READY:
+                    self._dead(v, "failed under a request and /metrics does not answer")
+            finally:
+                self._checking.discard(vid)
+        self._spawn(check())
 
     async def _scrape(self, v: VPodRow) -> tuple[bool, int]:
         """(healthy, requests waiting) from the engine's /metrics (vLLM's names)."""
@@ -422,9 +441,10 @@ class Controller:
         except BackendError as e:
             log.warning("deleting %s failed: %s", vid, e)
 
-    def _dead(self, v: VPodRow) -> None:
+    def _dead(self, v: VPodRow, why: str = "") -> None:
         """A vPod that stopped answering: out of routing, deleted, replaced at once."""
-        self._event("replace", v.id, f"dead: /metrics failed {self.cfg.health_failures} times")
+        self._event("replace", v.id, "dead: " + (
+            why or f"/metrics failed {self.cfg.health_failures} times"))
         self._health_fail.pop(v.id, None)
         e = self._entry(v.phase, v.chip, v.topology)
         self._release(v, "dead")

@@ -169,6 +169,7 @@ class Service:
                                      policies)
         self.gateway.status_provider = self.controller.status
         self.gateway.plans_on_demand = True
+        self.gateway.on_vpod_failed = self.controller.vpod_failed
         self.gateway.on_request_done = self.controller.log_request if cfg.log_prompts else \
             _without_prompt(self.controller.log_request)
         try:

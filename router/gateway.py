@@ -286,6 +286,10 @@ class Gateway:
         # a controller plans when it sees demand: with no routing table yet, requests wait
         # (up to wait_for_vpod_s) instead of an immediate 503
         self.plans_on_demand = False
+        # told the id of a vPod that failed under a request (a controller checks it at once and
+        # replaces it if dead); with it, a request whose group has no other vPod waits for the
+        # replacement (up to wait_for_vpod_s) instead of failing
+        self.on_vpod_failed: Callable[[str], None] | None = None
         self._targets: _Targets | None = None
         self._changed = asyncio.Event()
         self._loads: dict[str, _Load] = {}
@@ -682,6 +686,11 @@ class Gateway:
         self.metrics.error(f"upstream_{e.kind}")
         self.metrics.failovers.inc()
         f.failovers += 1
+        if self.on_vpod_failed is not None:
+            try:
+                self.on_vpod_failed(ep.vpod_id)
+            except Exception:  # noqa: BLE001 - the report is advisory
+                log.debug("on_vpod_failed raised", exc_info=True)
 
     def _note_wait(self, key: tuple[str, Hashable], d: int) -> None:
         n = self._waiting.get(key, 0) + d
@@ -729,7 +738,7 @@ class Gateway:
                 return g, ep
             key = (phase, group)
             now = _now()
-            if key in t.starting:
+            if key in t.starting or (failover and self.on_vpod_failed is not None):
                 if deadline is None:
                     deadline = now + self.wait_for_vpod_s
                 if now < deadline:

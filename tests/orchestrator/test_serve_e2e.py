@@ -297,6 +297,43 @@ def test_killing_an_engine_mid_stream_loses_no_request(serve):
     assert wait_for(lambda: not any(v["id"] in killed for v in serve.status()["vpods"]), 60)
 
 
+def test_the_only_vpods_dying_mid_stream_lose_no_request(tmp_path, llama8b_db):
+    """The default (load-aware) policy serves this light load with one decode vPod: kill it
+    mid-stream. The gateway reports the failure, the controller checks the vPod at once and
+    starts a replacement, and the stream waits for it and finishes whole."""
+    s = Serve(tmp_path, "--db", str(llama8b_db[1]), "--predictor", "fixed:40",
+              "--cluster", "e2e-only")
+    try:
+        c = client(s)
+        c.completions.create(model="llama3-8b", prompt="tok " * 50, max_tokens=5)
+        stream = c.completions.create(model="llama3-8b", prompt="tok " * 100, max_tokens=300,
+                                      stream=True, extra_body={"ignore_eos": True},
+                                      stream_options={"include_usage": True})
+        text, usage, killed = [], None, None
+        for ch in stream:
+            if ch.choices:
+                text.append(ch.choices[0].text)
+            if ch.usage:
+                usage = ch.usage
+            if killed is None and len(text) > 20:
+                killed = [v["id"] for v in s.status()["vpods"]
+                          if v["phase"] == "decode" and v["state"] == "ready"]
+                cloud = sqlite3.connect(s.state).execute(
+                    "SELECT value FROM meta WHERE key='sim_cloud_url'").fetchone()[0]
+                for vid in killed:
+                    urllib.request.urlopen(urllib.request.Request(
+                        f"{cloud}/v1/vpods/{vid}/kill", method="POST"), timeout=10).read()
+        assert killed
+        assert usage.completion_tokens == 300 and count_tokens("".join(text)) == 300
+        st = s.status()
+        assert not any(v["id"] in killed for v in st["vpods"])
+        assert any(e["kind"] == "replace" and "failed under a request" in e["reason"]
+                   for e in st["recent_actions"]), st["recent_actions"]
+    finally:
+        s.stop()
+        kill_cloud(s.state)
+
+
 def test_kill_9_and_restart_leave_no_orphan_or_duplicate(tmp_path, llama8b_db):
     key = "s3cret-" + os.urandom(4).hex()
     env = {"NS_TEST_KEY": key}
