@@ -1,8 +1,8 @@
 """The paper's evaluation (§5.2-5.3, §5.7): NeuScale (load-aware), NeuScale (the paper's rule),
 Base, Ideal and Ideal-at-load on the four presets x {Azure coding, LV-Eval-like,
 OpenThoughts-like} x {energy, cost} x {prefill, decode} = 48 rows, 24-hour replays; and a load
-sweep (``--rate-scale`` 1, 4, 16, 64 of the Azure coding day) with a plot of NeuScale / Base
-against load. Writes one JSON per run (the ``orchestrator simulate --json`` object plus wall
+sweep (1, 4, 16, 64 x the load of a window of the Azure coding day: that many copies of its
+requests) with a plot of NeuScale / Base against load. Writes one JSON per run (the ``orchestrator simulate --json`` object plus wall
 times), prints the README's tables, and plots the sweep.
 
     python benchmarks/paper_eval.py --out results/ [--jobs 2]          # grid + sweep
@@ -50,18 +50,11 @@ def run_one(job: tuple) -> str:
         return f"{path} (kept)"
     arch, cat = load_model(model), default_catalog()
     db = verified_db(arch, metric, progress=False)
-    if kind == "sweep":
-        # rate x scale compresses time: replay scale x the span, so every scale runs ~`hours`
-        # of simulated time (at most the whole day, which then runs 24 h / scale)
-        window_h = min(24.0, hours * scale)
-        t0_h = max(0.0, min(_hours(start), 24.0 - window_h))
-        tr = load_trace(trace, hours=window_h if window_h < 24 else None,
-                        start=f"{int(t0_h):02d}:{int(round(t0_h % 1 * 60)):02d}",
-                        rate_scale=scale)
-    else:
-        tr = load_trace(trace, hours=hours if hours < 24 else None, start=start)
+    tr = load_trace(trace, hours=hours if hours < 24 else None, start=start)
     arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
                      np.asarray(tr.output_tokens))
+    if kind == "sweep" and scale != 1:
+        arr, inp, out = replicate(arr, inp, out, int(scale))
     cfg = ClusterConfig()
     pricer = ChipModelPricer(arch, cat)
     res = {"kind": kind, "model": model, "trace": trace, "metric": metric, "rate_scale": scale,
@@ -83,11 +76,16 @@ def run_one(job: tuple) -> str:
     return f"{path} ({sum(res['wall_s'].values()):.0f} s)"
 
 
-def _hours(hhmm: str | None) -> float:
-    if not hhmm:
-        return 0.0
-    h, _, m = hhmm.partition(":")
-    return int(h) + int(m or 0) / 60
+def replicate(arr, inp, out, copies: int, seed: int = 0):
+    """``copies`` x the users: the window's requests ``copies`` times, each copy shifted by its
+    own random offset under a minute, in arrival order. Unlike ``--rate-scale`` (which divides
+    arrival times, so a 16x rate also runs the day's ramps 16x faster) this keeps the window's
+    dynamics: a policy sees 16x the load changing as fast as the real load does."""
+    rng = np.random.default_rng(seed)
+    shifts = np.repeat(rng.uniform(0.0, 60.0, copies), len(arr))
+    a = np.tile(arr, copies) + shifts
+    order = np.argsort(a, kind="stable")
+    return a[order], np.tile(inp, copies)[order], np.tile(out, copies)[order]
 
 
 def _key(metric: str) -> str:
@@ -198,7 +196,7 @@ def plot_sweep(out_dir: Path) -> Path | None:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("request rate x the Azure coding day")
+        ax.set_xlabel("load: copies of the window's requests")
         ax.set_ylabel(f"{'tokens/J' if metric == 'energy' else 'tokens/$'} / Base")
         ax.set_title(f"{model} ({metric})")
         ax.legend(fontsize=7)
@@ -216,12 +214,13 @@ def main() -> None:
     ap.add_argument("--traces", default=",".join(TRACES))
     ap.add_argument("--metrics", default="energy,cost")
     ap.add_argument("--hours", type=float, default=24.0, help="grid replay length")
+    ap.add_argument("--start", default=None, help="grid window start HH:MM (default 00:00)")
     ap.add_argument("--sweep-models", default="llama3-70b,deepseek-v3")
     ap.add_argument("--sweep-scales", default="1,4,16,64")
-    ap.add_argument("--sweep-hours", type=float, default=0.5,
-                    help="simulated span of each sweep run: rate x S replays S x this many "
-                    "hours of the Azure coding day from --sweep-start (moved earlier to fit "
-                    "the day; at most the whole day)")
+    ap.add_argument("--sweep-hours", type=float, default=0.25,
+                    help="the sweep's window of the Azure coding day (from --sweep-start); "
+                    "load x S replays S copies of it, each shifted by a random offset under "
+                    "a minute")
     ap.add_argument("--sweep-start", default="12:00")
     ap.add_argument("--sweep-metric", default="energy")
     ap.add_argument("--no-sweep", action="store_true")
@@ -236,7 +235,7 @@ def main() -> None:
         for m in models:               # build the verified DBs once, before the workers
             for metric in metrics:
                 verified_db(load_model(m), metric, progress=False)
-        jobs = [("grid", m, t, metric, args.hours, None, 1.0, str(out)) for m in models
+        jobs = [("grid", m, t, metric, args.hours, args.start, 1.0, str(out)) for m in models
                 for t in args.traces.split(",") for metric in metrics]
         if not args.no_sweep:
             jobs += [("sweep", m, "azure-code", args.sweep_metric, args.sweep_hours,

@@ -59,7 +59,7 @@ from dse.db import BestFitDB
 from .policy import (Action, ActionKind, GroupSpec, Observation, Policy, PolicyConfig,
                      PolicyState, _GroupLoad)
 from .pricing import (Alloc, ChipModelPricer, LoadCost, Pricer, cost_per_s, servers_needed,
-                      startup_cost)
+                      servers_needed_vec, startup_cost)
 
 REASON_KEEP = "kept"
 
@@ -85,10 +85,8 @@ class LoadAwarePolicy(Policy):
         self.pricer = pricer
         self.metric = db.meta.get("metric", "energy")
         self._slack: dict[str, tuple[float, int, bool]] = {}
-        # a decoding request joins its batch at a step boundary: its first step starts up to one
-        # step late, so a request of m decode steps sees up to (m + 1) / m steps' time per token.
-        # Load-aware picks run their vPods busy, at their full batch's TPOT (a best fit at a
-        # light load runs small batches, far below its SLO): they must leave that step, m = 2.
+        # decode: TPOT at the point's batch <= margin x SLO (PolicyConfig.decode_step_margin:
+        # 1, the DSE's test, by default - see there why not less)
         self._margin = 1.0 if phase == "prefill" else config.decode_step_margin
         self._cands: dict[tuple[int, ...], list[tuple[GroupSpec, list]]] = {}
 
@@ -235,6 +233,7 @@ class LoadAwarePolicy(Policy):
         queueing headroom (a lower bound). A bucket no point serves alone takes its best fit."""
         m = len(buckets)
         best = [0.0] + [math.inf] * m
+        best_arr = np.array(best)
         how: list = [None] * (m + 1)
         for j in range(m):
             for spec, arrs in self._front(buckets, j):
@@ -247,24 +246,35 @@ class LoadAwarePolicy(Policy):
                 dj = np.cumsum((mean[:j + 1] * dyn)[::-1])[::-1]
                 sl = np.minimum.accumulate(slack[::-1])[::-1]
                 static = arrs["static"]
-                for i in range(j, -1, -1):
-                    if not valid[i]:
-                        break
-                    lower = math.ceil(peaks[i] - 1e-9) * static + (dj[i] if self.metric ==
-                                                                   "energy" else 0.0)
-                    if best[i] + lower >= best[j + 1]:
-                        continue
-                    n = servers_needed(float(peaks[i]), float(sl[i]), arrs["per_vpod"],
-                                       self.phase == "prefill")
-                    cost = n * static + (dj[i] if self.metric == "energy" else 0.0)
-                    if best[i] + cost < best[j + 1]:
-                        best[j + 1] = best[i] + cost
-                        how[j + 1] = (i, spec, n, float(peaks[i]), cost, float(mean[i:j + 1].sum()))
+                i0 = j + 1 - int(valid[::-1].argmin()) if not valid.all() else 0
+                dyn_i = dj[i0:] if self.metric == "energy" else np.zeros(j + 1 - i0)
+                lower = np.ceil(peaks[i0:] - 1e-9) * static + dyn_i
+                base = best_arr[i0:j + 1]
+                if self.phase == "prefill":     # pooled: exact sizing where the bound allows
+                    for i in np.nonzero(base + lower < best[j + 1])[0][::-1]:
+                        if base[i] + lower[i] >= best[j + 1]:
+                            continue
+                        n = servers_needed(float(peaks[i0 + i]), float(sl[i0 + i]),
+                                           arrs["per_vpod"], True)
+                        cost = n * static + float(dyn_i[i])
+                        if base[i] + cost < best[j + 1]:
+                            best[j + 1] = best_arr[j + 1] = base[i] + cost
+                            how[j + 1] = (i0 + i, spec, n, float(peaks[i0 + i]), cost,
+                                          float(mean[i0 + i:j + 1].sum()))
+                    continue
+                n = servers_needed_vec(peaks[i0:], sl[i0:], arrs["per_vpod"])
+                total = base + n * static + dyn_i
+                k = len(total) - 1 - int(total[::-1].argmin())     # ties: the longest segment
+                if total[k] < best[j + 1]:
+                    i = i0 + k
+                    best[j + 1] = best_arr[j + 1] = float(total[k])
+                    how[j + 1] = (i, spec, int(n[k]), float(peaks[i]), float(total[k] - base[k]),
+                                  float(mean[i:j + 1].sum()))
             if how[j + 1] is None:              # nothing meets this bucket's SLO: its best fit
                 spec = fallback[buckets[j]]
                 costs = [self.pricer.cost(alloc_of(spec), self.phase, self.edges[buckets[j]])]
                 c = self._load_cost(costs, [buckets[j]], window[:, [j]], mean[[j]])
-                best[j + 1] = best[j] + c.per_s
+                best[j + 1] = best_arr[j + 1] = best[j] + c.per_s
                 how[j + 1] = (j, spec, c.vpods, c.demand_peak, c.per_s, float(mean[j]))
         out = []
         k = m

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -136,6 +137,11 @@ def servers_needed(a: float, slack: float, per_vpod: int = 1, pooled: bool = Tru
         return n_vpods
     k = max(1, int(per_vpod))
     s = max(slack, 0.0)
+    if not pooled:
+        # every vPod is the same k-server queue: the busiest it may run is a constant of
+        # (k, slack, miss), so n is the fewest vPods that keep each below it
+        b_max = _max_busy(k, round(s, 6), miss)
+        return min(cap, max(n_vpods, math.ceil(a * k / b_max - 1e-9)))
     while n_vpods < cap:
         servers, busy = (n_vpods * k, a * k) if pooled else (k, a * k / n_vpods)
         if busy < servers and \
@@ -143,6 +149,46 @@ def servers_needed(a: float, slack: float, per_vpod: int = 1, pooled: bool = Tru
             break
         n_vpods += 1
     return n_vpods
+
+
+def servers_needed_vec(a: np.ndarray, slack: np.ndarray, per_vpod: int, miss: float = 0.05,
+                       cap: int = 4096) -> np.ndarray:
+    """:func:`servers_needed` (not pooled) of every ``a[i]`` with ``slack[i]``, at once."""
+    a = np.asarray(a, dtype=np.float64)
+    slack = np.asarray(slack, dtype=np.float64)
+    k = max(1, int(per_vpod))
+    n = np.maximum(1.0, np.ceil(a - 1e-9))
+    s0 = float(slack[0]) if slack.size else 0.0
+    if slack.size and not math.isinf(s0) and (slack == s0).all():      # one slack: one bound
+        out = np.maximum(n, np.ceil(a * k / _max_busy(k, round(max(s0, 0.0), 6), miss)
+                                    - 1e-9))
+        np.minimum(out, cap, out=out)
+        out[a <= 0] = 0.0
+        return out
+    out = n.copy()
+    for sv in np.unique(slack):
+        if math.isinf(sv):
+            continue
+        sel = slack == sv
+        b_max = _max_busy(k, round(max(float(sv), 0.0), 6), miss)
+        out[sel] = np.maximum(n[sel], np.ceil(a[sel] * k / b_max - 1e-9))
+    out = np.minimum(out, cap)
+    out[a <= 0] = 0.0
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _max_busy(k: int, slack: float, miss: float) -> float:
+    """The largest mean number of busy servers ``b`` of a k-server queue for which a request
+    waits longer than ``slack`` service times with probability at most ``miss``
+    (:func:`servers_needed`'s test, which only grows with ``b``): bisection to 1e-9 of k."""
+    def ok(b: float) -> bool:
+        return erlang_c(k, b) * math.exp(-2.0 * (k - b) * slack) <= miss
+    lo, hi = 0.0, float(k)
+    while hi - lo > 1e-9 * k:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return max(lo, 1e-9)
 
 
 def cost_per_s(costs: Sequence[PointCost], peak_rates: np.ndarray, mean_rates: Sequence[float],
@@ -177,4 +223,4 @@ def static_per_s(c: PointCost, metric: str) -> float:
 
 
 __all__ = ["Alloc", "ChipModelPricer", "LoadCost", "PointCost", "Pricer", "cost_per_s",
-           "erlang_c", "servers_needed", "startup_cost", "static_per_s"]
+           "erlang_c", "servers_needed", "servers_needed_vec", "startup_cost", "static_per_s"]
