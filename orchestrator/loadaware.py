@@ -58,8 +58,8 @@ from dse.db import BestFitDB
 
 from .policy import (Action, ActionKind, GroupSpec, Observation, Policy, PolicyConfig,
                      PolicyState, _GroupLoad)
-from .pricing import (Alloc, ChipModelPricer, LoadCost, Pricer, cost_per_s, servers_needed,
-                      servers_needed_vec, startup_cost)
+from .pricing import (Alloc, ChipModelPricer, LoadCost, Pricer, _max_busy, cost_per_s,
+                      servers_needed, startup_cost)
 
 REASON_KEEP = "kept"
 
@@ -89,6 +89,7 @@ class LoadAwarePolicy(Policy):
         # 1, the DSE's test, by default - see there why not less)
         self._margin = 1.0 if phase == "prefill" else config.decode_step_margin
         self._cands: dict[tuple[int, ...], list[tuple[GroupSpec, list]]] = {}
+        self._fronts: dict[tuple[int, ...], dict | None] = {}
 
     # ---- sizing in demand ---------------------------------------------------------------------
     def slack(self, costs: list, buckets: list[int]) -> float:
@@ -235,41 +236,11 @@ class LoadAwarePolicy(Policy):
         best = [0.0] + [math.inf] * m
         best_arr = np.array(best)
         how: list = [None] * (m + 1)
+        energy = self.metric == "energy"
         for j in range(m):
-            for spec, arrs in self._front(buckets, j):
-                inv_t, dyn, ok, slack = arrs["inv_t"], arrs["dyn"], arrs["ok"], arrs["slack"]
-                valid = np.logical_and.accumulate(ok[::-1])[::-1]
-                if not valid[j]:
-                    continue
-                cum = np.cumsum((window[:, :j + 1] * inv_t)[:, ::-1], axis=1)[:, ::-1]
-                peaks = cum.max(axis=0)
-                dj = np.cumsum((mean[:j + 1] * dyn)[::-1])[::-1]
-                sl = np.minimum.accumulate(slack[::-1])[::-1]
-                static = arrs["static"]
-                i0 = j + 1 - int(valid[::-1].argmin()) if not valid.all() else 0
-                dyn_i = dj[i0:] if self.metric == "energy" else np.zeros(j + 1 - i0)
-                lower = np.ceil(peaks[i0:] - 1e-9) * static + dyn_i
-                base = best_arr[i0:j + 1]
-                if self.phase == "prefill":     # pooled: exact sizing where the bound allows
-                    for i in np.nonzero(base + lower < best[j + 1])[0][::-1]:
-                        if base[i] + lower[i] >= best[j + 1]:
-                            continue
-                        n = servers_needed(float(peaks[i0 + i]), float(sl[i0 + i]),
-                                           arrs["per_vpod"], True)
-                        cost = n * static + float(dyn_i[i])
-                        if base[i] + cost < best[j + 1]:
-                            best[j + 1] = best_arr[j + 1] = base[i] + cost
-                            how[j + 1] = (i0 + i, spec, n, float(peaks[i0 + i]), cost,
-                                          float(mean[i0 + i:j + 1].sum()))
-                    continue
-                n = servers_needed_vec(peaks[i0:], sl[i0:], arrs["per_vpod"])
-                total = base + n * static + dyn_i
-                k = len(total) - 1 - int(total[::-1].argmin())     # ties: the longest segment
-                if total[k] < best[j + 1]:
-                    i = i0 + k
-                    best[j + 1] = best_arr[j + 1] = float(total[k])
-                    how[j + 1] = (i, spec, int(n[k]), float(peaks[i]), float(total[k] - base[k]),
-                                  float(mean[i:j + 1].sum()))
+            front = self._front(buckets, j)
+            if front is not None:
+                self._step(j, front, window, mean, best, best_arr, how, energy)
             if how[j + 1] is None:              # nothing meets this bucket's SLO: its best fit
                 spec = fallback[buckets[j]]
                 costs = [self.pricer.cost(alloc_of(spec), self.phase, self.edges[buckets[j]])]
@@ -286,7 +257,71 @@ class LoadAwarePolicy(Policy):
             k = i
         return out[::-1]
 
-    def _front(self, buckets: list[int], j: int) -> list[tuple[GroupSpec, dict]]:
+    def _step(self, j: int, front: dict, window: np.ndarray, mean: np.ndarray, best: list,
+              best_arr: np.ndarray, how: list, energy: bool) -> None:
+        """One step of :meth:`_partition`: the cheapest last group ending at bucket ``j``,
+        over every Pareto point (rows) and every first bucket ``i`` (columns) at once. Ties go
+        to the earlier point, then the longer segment."""
+        specs, valid = front["specs"], front["valid"]          # valid: ok from i to j
+        n_cols = j + 1
+        x = window[:, None, :n_cols] * front["inv_t"][None, :, :]
+        peaks = np.cumsum(x[:, :, ::-1], axis=2)[:, :, ::-1].max(axis=0)     # points x i
+        dj = (np.cumsum((mean[:n_cols][None, :] * front["dyn"])[:, ::-1], axis=1)[:, ::-1]
+              if energy else np.zeros_like(peaks))
+        static = front["static"][:, None]
+        base = best_arr[None, :n_cols]
+        if self.phase == "prefill":      # pooled: exact sizing where the lower bound allows
+            sl = np.minimum.accumulate(front["slack"][:, ::-1], axis=1)[:, ::-1]
+            lower = np.where(valid, base + np.ceil(peaks - 1e-9) * static + dj, np.inf)
+            rows, cols = np.nonzero(lower < best[j + 1])
+            order = np.lexsort((-cols, rows))                 # point, then longer segment
+            for r, i in zip(rows[order], cols[order]):
+                if lower[r, i] >= best[j + 1]:
+                    continue
+                n = servers_needed(float(peaks[r, i]), float(sl[r, i]),
+                                   int(front["per_vpod"][r]), True)
+                cost = n * float(static[r, 0]) + float(dj[r, i])
+                if float(base[0, i]) + cost < best[j + 1]:
+                    best[j + 1] = best_arr[j + 1] = float(base[0, i]) + cost
+                    how[j + 1] = (int(i), specs[r], n, float(peaks[r, i]), cost,
+                                  float(mean[i:j + 1].sum()))
+            return
+        n = np.maximum(1.0, np.ceil(peaks - 1e-9))
+        n = np.minimum(np.maximum(n, np.ceil(peaks * front["per_vpod"][:, None]
+                                             / front["b_max"][:, None] - 1e-9)), 4096)
+        n[peaks <= 0] = 0.0
+        total = np.where(valid, base + n * static + dj, np.inf)
+        flat = int(total[:, ::-1].argmin())                   # first point, longest segment
+        r, i = flat // n_cols, n_cols - 1 - flat % n_cols
+        if total[r, i] < best[j + 1]:
+            best[j + 1] = best_arr[j + 1] = float(total[r, i])
+            how[j + 1] = (int(i), specs[r], int(n[r, i]), float(peaks[r, i]),
+                          float(total[r, i] - base[0, i]), float(mean[i:j + 1].sum()))
+
+    def _front(self, buckets: list[int], j: int) -> dict | None:
+        """The Pareto points of bucket ``buckets[j]`` stacked as arrays (rows: points, columns:
+        buckets up to j), or None when no point meets bucket j's SLO."""
+        key = tuple(buckets[:j + 1])
+        if key in self._fronts:
+            return self._fronts[key]
+        pts = [(spec, a) for spec, a in self._points(buckets, j)
+               if a["ok"][-1]]                                    # meets bucket j's SLO
+        out = None
+        if pts:
+            stack = lambda k: np.array([a[k] for _, a in pts])  # noqa: E731
+            ok = stack("ok")
+            per_vpod = np.array([a["per_vpod"] for _, a in pts], dtype=np.float64)
+            out = {"specs": [sp for sp, _ in pts], "inv_t": stack("inv_t"), "dyn": stack("dyn"),
+                   "slack": stack("slack"), "static": np.array([a["static"] for _, a in pts]),
+                   "per_vpod": per_vpod,
+                   "valid": np.logical_and.accumulate(ok[:, ::-1], axis=1)[:, ::-1],
+                   "b_max": np.array([_max_busy(int(k), 0.0, 0.05) for k in per_vpod])}
+        if len(self._fronts) > 4096:
+            self._fronts.clear()
+        self._fronts[key] = out
+        return out
+
+    def _points(self, buckets: list[int], j: int) -> list[tuple[GroupSpec, dict]]:
         """The Pareto points of bucket ``buckets[j]`` (allowed chips) as group specs, each
         priced at every bucket up to it: 1 / throughput, dynamic energy per token, SLO met
         (with the decode margin), slack, static cost per second, servers per vPod."""

@@ -151,32 +151,6 @@ def servers_needed(a: float, slack: float, per_vpod: int = 1, pooled: bool = Tru
     return n_vpods
 
 
-def servers_needed_vec(a: np.ndarray, slack: np.ndarray, per_vpod: int, miss: float = 0.05,
-                       cap: int = 4096) -> np.ndarray:
-    """:func:`servers_needed` (not pooled) of every ``a[i]`` with ``slack[i]``, at once."""
-    a = np.asarray(a, dtype=np.float64)
-    slack = np.asarray(slack, dtype=np.float64)
-    k = max(1, int(per_vpod))
-    n = np.maximum(1.0, np.ceil(a - 1e-9))
-    s0 = float(slack[0]) if slack.size else 0.0
-    if slack.size and not math.isinf(s0) and (slack == s0).all():      # one slack: one bound
-        out = np.maximum(n, np.ceil(a * k / _max_busy(k, round(max(s0, 0.0), 6), miss)
-                                    - 1e-9))
-        np.minimum(out, cap, out=out)
-        out[a <= 0] = 0.0
-        return out
-    out = n.copy()
-    for sv in np.unique(slack):
-        if math.isinf(sv):
-            continue
-        sel = slack == sv
-        b_max = _max_busy(k, round(max(float(sv), 0.0), 6), miss)
-        out[sel] = np.maximum(n[sel], np.ceil(a[sel] * k / b_max - 1e-9))
-    out = np.minimum(out, cap)
-    out[a <= 0] = 0.0
-    return out
-
-
 @lru_cache(maxsize=4096)
 def _max_busy(k: int, slack: float, miss: float) -> float:
     """The largest mean number of busy servers ``b`` of a k-server queue for which a request
@@ -223,4 +197,4 @@ def static_per_s(c: PointCost, metric: str) -> float:
 
 
 __all__ = ["Alloc", "ChipModelPricer", "LoadCost", "PointCost", "Pricer", "cost_per_s",
-           "erlang_c", "servers_needed", "servers_needed_vec", "startup_cost", "static_per_s"]
+           "erlang_c", "servers_needed", "startup_cost", "static_per_s"]
