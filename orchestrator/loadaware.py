@@ -128,6 +128,14 @@ class LoadAwarePolicy(Policy):
         have no room for the next epoch's bursts."""
         return float(s.max())
 
+    def _queue_tolerance(self, g: str) -> float:
+        """A prefill group's requests may wait ``slack`` service times within their SLO (its
+        sizing allows for it), so its queue is an emergency only past its batch slots x
+        (1 + slack): beyond that the last request waits longer than its SLO allows. Decode
+        has no slack: its batch slots, as the paper's rule."""
+        slack = self._slack.get(g, (0.0, 1, True))[0]
+        return 1.0 + (slack if math.isfinite(slack) else 0.0)
+
     def _n_pod(self, g: str, r: float, T: float) -> int:
         return servers_needed(r / T, *self._slack.get(g, (math.inf, 1, True)))
 
@@ -180,9 +188,12 @@ class LoadAwarePolicy(Policy):
         if sig == tuple((tuple(seg), spec.id) for seg, spec, _ in cur):
             state.pending = {}
             return cur, REASON_KEEP + " (cheapest at load)"
-        for _, spec, _ in cur:
+        for seg, spec, _ in cur:
             queue = obs.group_peak_queue.get(spec.id, 0)
-            if queue > sum(v.max_batch for v in obs.inventory if v.group == spec.id):
+            costs = [self.pricer.cost(alloc_of(spec), self.phase, self.edges[i]) for i in seg]
+            tolerance = 1.0 + self.slack(costs, seg)
+            if queue > tolerance * sum(v.max_batch for v in obs.inventory
+                                       if v.group == spec.id):
                 return cur, REASON_KEEP + ": an emergency scales out what runs first"
         saving = (sum(c.per_s for _, _, c in cur) - sum(c.per_s for _, _, c in new)) \
             * self.cfg.window_s

@@ -439,6 +439,12 @@ class Policy:
                              f"{cfg.shrink_period_s / 60:g} min" if want > n_pod else ""))
         return current, "steady"
 
+    def _queue_tolerance(self, g: str) -> float:
+        """How many times its batch slots a group's queue may reach before it is an
+        emergency. The paper's rule: 1 (its vPods are sized at utilisation 1, so any queue
+        beyond a step's batch waits). The load-aware policy overrides it."""
+        return 1.0
+
     def _emergency(self, spec: GroupSpec, vpods: list[VPodRecord], queue: int, want: int,
                    why: str) -> tuple[int, str]:
         """Emergency scale-out past the doubling limit when the peak queue exceeds the group's
@@ -448,14 +454,17 @@ class Policy:
         current = len(vpods)
         mb = spec.entry.max_batch
         slots = sum(v.max_batch or mb for v in vpods)
-        if not cfg.emergency or queue <= slots:
+        tolerance = self._queue_tolerance(spec.id)
+        if not cfg.emergency or queue <= slots * tolerance:
             return want, why
-        extra = math.ceil((queue - slots) / max(mb, 1))
+        extra = math.ceil((queue - slots * tolerance) / max(mb * tolerance, 1))
         bound = max(current + 1, math.ceil(current * cfg.emergency_max_factor))
         new = min(current + extra, bound)
         if new <= want:
             return want, why
-        return new, (f"emergency: peak queue {queue} > {slots} batch slots (doubling limit "
+        return new, (f"emergency: peak queue {queue} > {slots} batch slots"
+                     + (f" x {tolerance:.3g} (its SLO slack)" if tolerance != 1 else "")
+                     + " (doubling limit "
                      "bypassed" + (f", at most x{cfg.emergency_max_factor:g} per epoch)"
                                    if new < current + extra else ")"))
 

@@ -173,3 +173,35 @@ def test_the_controllers_saved_state_plans_like_the_live_one(db, pricer):
     # a state file from before the load-aware policy (groups only) still loads
     old = {g: {"ewma_peak": 3.0, "last_shrink_s": None} for g in state.groups}
     assert set(_policy_state_from_json(old).groups) == set(state.groups)
+
+
+def test_a_prefill_queue_within_the_slos_slack_is_no_emergency(db, pricer):
+    """The paper's emergency test (queue > batch slots) fires on a queue of two for a batch-1
+    vPod; a load-aware prefill group is sized for requests to wait up to its SLO slack, so
+    only a queue beyond slots x (1 + slack) is an emergency. The paper's rule keeps its test."""
+    i = 20
+    rate = 0.3 * db.entry_at("prefill", i).throughput_tok_per_s
+    pol = LoadAwarePolicy(db, "prefill", pricer=pricer)
+    first = pol.plan(Observation(0.0, {i: flat(rate)}))
+    (g,) = chosen(first)
+    inv = inventory(first)
+    slots = sum(v.max_batch for v in inv)
+    slack = pol._slack[g][0]
+    assert slack > 0.5, slack                     # some room below the SLO to test with
+    within = int(slots * (1 + slack))
+    beyond = int(slots * (1 + slack)) + slots + 1
+
+    def plan(q):
+        obs = Observation(300.0, {i: flat(rate)}, inv, group_peak_queue={g: q})
+        return pol.plan(obs, first.state)
+    assert not any("emergency" in line for line in plan(within).explain())
+    assert any(f"emergency: peak queue {beyond}" in line for line in plan(beyond).explain())
+    # the paper's rule on its own best fit: any queue beyond its batch slots
+    paper = Policy(db, "prefill")
+    p0 = paper.plan(Observation(0.0, {i: flat(rate)}))
+    pinv = inventory(p0)
+    pslots = sum(v.max_batch for v in pinv)
+    (pg,) = p0.target
+    p1 = paper.plan(Observation(300.0, {i: flat(rate)}, pinv, group_peak_queue={pg: pslots + 1}),
+                    p0.state)
+    assert any("emergency" in line for line in p1.explain())
