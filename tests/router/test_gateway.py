@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 
 import openai
 import pytest
@@ -160,6 +161,12 @@ def test_chat_and_completions_streaming_and_not_match_the_engine(pd):
     assert pd.metric('neuscale_routed_total{group="S",phase="decode"}') == 4
     assert pd.metric("vllm:prompt_tokens_total", pd.servers["p0"].url) > 0
     assert pd.metric("neuscale_ttft_seconds_count") == 4
+    # nothing left in flight (the last chunk reaches the client before the handler's cleanup
+    # runs on the gateway's loop: wait for it, bounded)
+    for _ in range(250):
+        if pd.lt.call(lambda: pd.gw.outstanding("s0") + pd.gw.outstanding("p0")) == 0:
+            break
+        time.sleep(0.02)
     assert pd.lt.call(lambda: pd.gw.outstanding("s0") + pd.gw.outstanding("p0")) == 0
 
 
