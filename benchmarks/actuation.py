@@ -1,5 +1,5 @@
 """What the two actuation rules NeuScale adds to the paper's policy buy, in the same run:
-the policy as shipped against (a) coalescing by the paper's rule alone (next longer group with
+the paper's rule (`neuscale-paper`) as shipped against (a) coalescing by the paper's rule alone (next longer group with
 room, SLO not checked) and (b) routing straight to a newly planned group (break before make).
 
     python benchmarks/actuation.py                                   # both cases below
@@ -43,7 +43,10 @@ def one(model: str, trace: str, hours: float, start: str | None) -> None:
     ref = None
     for name, cfg in variants.items():
         t = time.perf_counter()
-        sim = ClusterSim(arch, db, make_policies("neuscale", db, cfg.policy, inp, out), cfg)
+        # the paper's rule: coalescing is one of its stages (the load-aware policy chooses its
+        # groups itself and ignores coalesce_keep_slo), and the README's figures are its
+        sim = ClusterSim(arch, db, make_policies("neuscale-paper", db, cfg.policy, inp, out),
+                         cfg)
         rep = sim.run(arr, inp, out).to_json()
         wall = time.perf_counter() - t
         ref = ref or rep
