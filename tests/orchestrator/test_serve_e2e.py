@@ -270,11 +270,12 @@ def migrations(serve) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_killing_an_engine_mid_stream_loses_no_request(serve):
-    c = client(serve)
-    stream = c.completions.create(model="llama3-8b", prompt="tok " * 100, max_tokens=400,
-                                  stream=True, extra_body={"ignore_eos": True},
-                                  stream_options={"include_usage": True})
+def stream_and_kill(s: Serve, max_tokens: int, doomed) -> tuple[str, object, list[str]]:
+    """Stream ``max_tokens`` tokens; after 20, kill (in the sim cloud) the decode vPods that
+    ``doomed(vpod)`` picks from the status. Returns the text, the usage and the killed ids."""
+    stream = client(s).completions.create(
+        model="llama3-8b", prompt="tok " * 100, max_tokens=max_tokens, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
     text, usage, killed = [], None, None
     for ch in stream:
         if ch.choices:
@@ -282,17 +283,21 @@ def test_killing_an_engine_mid_stream_loses_no_request(serve):
         if ch.usage:
             usage = ch.usage
         if killed is None and len(text) > 20:
-            # kill every ready decode engine but one: whichever serves us may die
-            vp = [v for v in serve.status()["vpods"]
-                  if v["phase"] == "decode" and v["state"] == "ready" and v["in_flight"]]
-            killed = [v["id"] for v in vp]
+            killed = [v["id"] for v in s.status()["vpods"]
+                      if v["phase"] == "decode" and v["state"] == "ready" and doomed(v)]
+            cloud = sqlite3.connect(s.state).execute(
+                "SELECT value FROM meta WHERE key='sim_cloud_url'").fetchone()[0]
             for vid in killed:
-                cloud = sqlite3.connect(serve.state).execute(
-                    "SELECT value FROM meta WHERE key='sim_cloud_url'").fetchone()[0]
                 urllib.request.urlopen(urllib.request.Request(
                     f"{cloud}/v1/vpods/{vid}/kill", method="POST"), timeout=10).read()
+    return "".join(text), usage, killed or []
+
+
+def test_killing_an_engine_mid_stream_loses_no_request(serve):
+    # kill every decode vPod with a request in flight: whichever serves us dies
+    text, usage, killed = stream_and_kill(serve, 400, lambda v: v["in_flight"])
     assert killed, "no decode vPod was serving the stream"
-    assert usage.completion_tokens == 400 and count_tokens("".join(text)) == 400
+    assert usage.completion_tokens == 400 and count_tokens(text) == 400
     # the controller sees the dead vPods and replaces them
     assert wait_for(lambda: not any(v["id"] in killed for v in serve.status()["vpods"]), 60)
 
@@ -304,27 +309,10 @@ def test_the_only_vpods_dying_mid_stream_lose_no_request(tmp_path, llama8b_db):
     s = Serve(tmp_path, "--db", str(llama8b_db[1]), "--predictor", "fixed:40",
               "--cluster", "e2e-only")
     try:
-        c = client(s)
-        c.completions.create(model="llama3-8b", prompt="tok " * 50, max_tokens=5)
-        stream = c.completions.create(model="llama3-8b", prompt="tok " * 100, max_tokens=300,
-                                      stream=True, extra_body={"ignore_eos": True},
-                                      stream_options={"include_usage": True})
-        text, usage, killed = [], None, None
-        for ch in stream:
-            if ch.choices:
-                text.append(ch.choices[0].text)
-            if ch.usage:
-                usage = ch.usage
-            if killed is None and len(text) > 20:
-                killed = [v["id"] for v in s.status()["vpods"]
-                          if v["phase"] == "decode" and v["state"] == "ready"]
-                cloud = sqlite3.connect(s.state).execute(
-                    "SELECT value FROM meta WHERE key='sim_cloud_url'").fetchone()[0]
-                for vid in killed:
-                    urllib.request.urlopen(urllib.request.Request(
-                        f"{cloud}/v1/vpods/{vid}/kill", method="POST"), timeout=10).read()
+        client(s).completions.create(model="llama3-8b", prompt="tok " * 50, max_tokens=5)
+        text, usage, killed = stream_and_kill(s, 300, lambda v: True)
         assert killed
-        assert usage.completion_tokens == 300 and count_tokens("".join(text)) == 300
+        assert usage.completion_tokens == 300 and count_tokens(text) == 300
         st = s.status()
         assert not any(v["id"] in killed for v in st["vpods"])
         assert any(e["kind"] == "replace" and "failed under a request" in e["reason"]
