@@ -217,3 +217,37 @@ def test_group_changes_make_before_break(db):
     _, brk = run(db, cfg=ClusterConfig(make_before_break=False), tr=t)
     ok, broken = (r.reports["decode"].slo_met / r.reports["decode"].requests for r in (rep, brk))
     assert ok > broken + 0.05 and ok > 0.95
+
+
+@pytest.mark.parametrize("accuracy", [0.0, 1.0])
+def test_decode_load_is_observed_where_it_was_routed(db, monkeypatch, accuracy):
+    """`observe_routed` (the default): a mispredicted request's decode tokens count at the
+    length its group serves - what the live gateway, which knows only the prediction, counts -
+    so a group is sized for what it is sent. Misrouted requests go to longer groups, so the
+    observed load moves to longer buckets; the tokens are the same; with every prediction
+    right both observations are one."""
+    from orchestrator.window import ObservationWindow
+    rng = np.random.default_rng(7)
+    n = 300
+    tr = (np.sort(rng.uniform(0, 600, n)), rng.integers(100, 3000, n), rng.integers(20, 400, n))
+    seen = {}
+    record = ObservationWindow.record
+    for routed in (True, False):
+        got = []
+
+        def spy(self, phase, rates, got=got):
+            if phase == "decode":
+                got.append(np.array(rates, dtype=float))
+            return record(self, phase, rates)
+        monkeypatch.setattr(ObservationWindow, "record", spy)
+        cfg = ClusterConfig(policy=PolicyConfig(coalescing=False), accuracy=accuracy, seed=2,
+                            observe_routed=routed, warm_start=False)
+        run(db, "neuscale-paper", cfg=cfg, tr=tr)
+        seen[routed] = np.sum(got, axis=0)
+    routed, true = seen[True], seen[False]
+    assert routed.sum() == pytest.approx(true.sum(), rel=1e-9) and true.sum() > 0
+    mean_bucket = lambda x: float((x * np.arange(len(x))).sum() / x.sum())  # noqa: E731
+    if accuracy == 1.0:
+        assert np.allclose(routed, true)
+    else:
+        assert mean_bucket(routed) > mean_bucket(true)
