@@ -59,7 +59,7 @@ from dse.db import BestFitDB
 from .policy import (Action, ActionKind, GroupSpec, Observation, Policy, PolicyConfig,
                      PolicyState, _GroupLoad)
 from .pricing import (Alloc, ChipModelPricer, LoadCost, Pricer, _max_busy, cost_per_s,
-                      servers_needed, startup_cost)
+                      servers_needed, startup_cost, static_per_s)
 
 REASON_KEEP = "kept"
 
@@ -88,7 +88,6 @@ class LoadAwarePolicy(Policy):
         # decode: TPOT at the point's batch <= margin x SLO (PolicyConfig.decode_step_margin:
         # 1, the DSE's test, by default - see there why not less)
         self._margin = 1.0 if phase == "prefill" else config.decode_step_margin
-        self._cands: dict[tuple[int, ...], list[tuple[GroupSpec, list]]] = {}
         self._fronts: dict[tuple[int, ...], dict | None] = {}
 
     # ---- sizing in demand ---------------------------------------------------------------------
@@ -336,10 +335,6 @@ class LoadAwarePolicy(Policy):
         """The Pareto points of bucket ``buckets[j]`` (allowed chips) as group specs, each
         priced at every bucket up to it: 1 / throughput, dynamic energy per token, SLO met
         (with the decode margin), slack, static cost per second, servers per vPod."""
-        key = (tuple(buckets[:j + 1]))
-        got = self._cands.get(key)
-        if got is not None:
-            return got
         leader = buckets[j]
         edge = self.edges[leader]
         seg = buckets[:j + 1]
@@ -366,11 +361,8 @@ class LoadAwarePolicy(Policy):
                     "ok": lat <= slo * self._margin,
                     "slack": (np.maximum(slo / lat - 1.0, 0.0) if self.phase == "prefill"
                               else np.zeros(len(seg))),
-                    "static": c.static_w if self.metric == "energy" else c.usd_per_s,
+                    "static": static_per_s(c, self.metric),
                     "per_vpod": self.per_vpod(costs, seg)}))
-        if len(self._cands) > 4096:
-            self._cands.clear()
-        self._cands[key] = out
         return out
 
     def _why(self, spec: GroupSpec, c: LoadCost, what: str) -> str:

@@ -165,6 +165,12 @@ def _max_busy(k: int, slack: float, miss: float) -> float:
     return max(lo, 1e-9)
 
 
+def static_per_s(c: PointCost, metric: str) -> float:
+    """What a vPod of this allocation costs per second whether busy or not: its static power
+    (metric energy, W) or its price (metric cost, $/s)."""
+    return c.static_w if metric == "energy" else c.usd_per_s
+
+
 def cost_per_s(costs: Sequence[PointCost], peak_rates: np.ndarray, mean_rates: Sequence[float],
                metric: str, slack: float = math.inf, per_vpod: int = 1,
                pooled: bool = True) -> LoadCost:
@@ -176,11 +182,9 @@ def cost_per_s(costs: Sequence[PointCost], peak_rates: np.ndarray, mean_rates: S
     demand = np.asarray(peak_rates, dtype=np.float64) @ inv_t if len(inv_t) else np.zeros(1)
     peak = float(demand.max()) if demand.size else 0.0
     n = servers_needed(peak, slack, per_vpod, pooled)
-    c0 = costs[0]
+    per_s = n * static_per_s(costs[0], metric)
     if metric == "energy":
-        per_s = n * c0.static_w + sum(r * c.dyn_j_per_token for r, c in zip(mean_rates, costs))
-    else:
-        per_s = n * c0.usd_per_s
+        per_s += sum(r * c.dyn_j_per_token for r, c in zip(mean_rates, costs))
     total = float(sum(mean_rates))
     return LoadCost(n, per_s, per_s / total if total > 0 else math.inf, peak)
 
@@ -188,12 +192,7 @@ def cost_per_s(costs: Sequence[PointCost], peak_rates: np.ndarray, mean_rates: S
 def startup_cost(c: PointCost, vpods: int, metric: str) -> float:
     """What starting ``vpods`` new vPods costs before they serve (Table 3's start-up at static
     power or price)."""
-    per_s = c.static_w if metric == "energy" else c.usd_per_s
-    return vpods * c.startup_s * per_s
-
-
-def static_per_s(c: PointCost, metric: str) -> float:
-    return c.static_w if metric == "energy" else c.usd_per_s
+    return vpods * c.startup_s * static_per_s(c, metric)
 
 
 __all__ = ["Alloc", "ChipModelPricer", "LoadCost", "PointCost", "Pricer", "cost_per_s",
