@@ -207,6 +207,39 @@ def plot_sweep(out_dir: Path) -> Path | None:
     return path
 
 
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One argparse error line for a name or number the runs could not use (before any
+    work starts)."""
+    from dse.models import PRESETS
+    for flag, text, known in (("--models", args.models, PRESETS),
+                              ("--sweep-models", args.sweep_models, PRESETS),
+                              ("--traces", args.traces, TRACES),
+                              ("--metrics", args.metrics, ("energy", "cost")),
+                              ("--sweep-metric", args.sweep_metric, ("energy", "cost"))):
+        bad = [x for x in text.split(",") if x not in known]
+        if bad:
+            ap.error(f"{flag}: unknown {', '.join(bad)}; known: {', '.join(known)}")
+    try:
+        scales = [float(x) for x in args.sweep_scales.split(",")]
+    except ValueError:
+        ap.error(f"--sweep-scales: numbers, e.g. 1,4,16,64 (got {args.sweep_scales!r})")
+    if any(not (x >= 1 and x == int(x)) for x in scales):
+        ap.error("--sweep-scales: whole numbers of copies >= 1")
+    for flag, v in (("--hours", args.hours), ("--sweep-hours", args.sweep_hours)):
+        if not 0 < v <= 24:
+            ap.error(f"{flag} must be in (0, 24] (got {v:g})")
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1 (got {args.jobs})")
+    from dse.errors import NeuScaleError
+    from sim.traces import _parse_start
+    for flag, v in (("--start", args.start), ("--sweep-start", args.sweep_start)):
+        try:
+            if v is not None:
+                _parse_start(v)
+        except NeuScaleError as e:
+            ap.error(f"{flag}: {e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for the JSONs, tables and plot")
@@ -227,6 +260,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--table-only", action="store_true")
     args = ap.parse_args()
+    _check_args(ap, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
