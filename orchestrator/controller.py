@@ -227,6 +227,8 @@ class Controller:
             self.window.record(ph, s.tokens[ph] / dt_wall)
         for (ph, g), n in s.waiting.items():
             self.window.note_queue(ph, g, n)
+        for (ph, g), x in s.longest_s.items():
+            self.window.note_duration(ph, g, x)
         ready = [v for v in self.vpods.values() if v.state == VPodState.READY]
         results = await asyncio.gather(*(self._scrape(v) for v in ready))
         for v, (ok, waiting) in zip(ready, results):

@@ -200,15 +200,34 @@ class LoadAwarePolicy(Policy):
         payback = sum(startup_cost(self.pricer.cost(alloc_of(spec), self.phase,
                                                     self.edges[seg[-1]]), c.vpods, self.metric)
                       for seg, spec, c in new if spec.id not in running)
+        payback += self._drain_cost(cur, {spec.id for _, spec, _ in new}, obs)
         seen = state.pending.get(-1)
         count = seen[1] + 1 if seen and seen[0] == repr(sig) else 1
         if saving <= payback or count < self.cfg.rechoose_epochs:
             state.pending = {-1: (repr(sig), count)}
             return cur, (f"{REASON_KEEP}: the cheapest grouping saves {saving:.3g} over the "
-                         f"window against {payback:.3g} to start it, cheapest {count} of "
-                         f"{self.cfg.rechoose_epochs} epochs")
+                         f"window against {payback:.3g} to start it and drain what it leaves, "
+                         f"cheapest {count} of {self.cfg.rechoose_epochs} epochs")
         state.pending = {}
-        return new, f"re-chosen: saves {saving:.3g} over the window, start-up {payback:.3g}"
+        return new, (f"re-chosen: saves {saving:.3g} over the window, start-up and drain "
+                     f"{payback:.3g}")
+
+    def _drain_cost(self, cur: list, kept: set[str], obs: Observation) -> float:
+        """What the groups a re-choice leaves cost while they drain: make-before-break keeps
+        their vPods up until the requests on them finish, beside the new groups already sized
+        for the whole load - each vPod for about the longest stay a request of its group had
+        on a vPod within the window (decode on the OpenThoughts-like trace: answers of up to
+        16.8 K tokens, tens of minutes; a prefill, seconds)."""
+        up: dict[str, int] = {}
+        for v in obs.inventory:
+            up[v.group] = up.get(v.group, 0) + 1
+        out = 0.0
+        for seg, spec, _ in cur:
+            if spec.id in kept or not up.get(spec.id):
+                continue
+            c = self.pricer.cost(alloc_of(spec), self.phase, self.edges[seg[-1]])
+            out += up[spec.id] * obs.group_drain_s.get(spec.id, 0.0) * static_per_s(c, self.metric)
+        return out
 
     def _current_partition(self, buckets: list[int], window: np.ndarray, mean: np.ndarray,
                            state: PolicyState) -> list | None:
@@ -321,14 +340,40 @@ class LoadAwarePolicy(Policy):
             stack = lambda k: np.array([a[k] for _, a in pts])  # noqa: E731
             ok = stack("ok")
             per_vpod = np.array([a["per_vpod"] for _, a in pts], dtype=np.float64)
+            valid = np.logical_and.accumulate(ok[:, ::-1], axis=1)[:, ::-1]
+            if self.phase != "prefill":
+                valid = self._widest_only([sp.entry for sp, _ in pts], valid)
             out = {"specs": [sp for sp, _ in pts], "inv_t": stack("inv_t"), "dyn": stack("dyn"),
                    "slack": stack("slack"), "static": np.array([a["static"] for _, a in pts]),
-                   "per_vpod": per_vpod,
-                   "valid": np.logical_and.accumulate(ok[:, ::-1], axis=1)[:, ::-1],
+                   "per_vpod": per_vpod, "valid": valid,
                    "b_max": np.array([_max_busy(int(k), 0.0, 0.05) for k in per_vpod])}
         if len(self._fronts) > 4096:
             self._fronts.clear()
         self._fronts[key] = out
+        return out
+
+    @staticmethod
+    def _widest_only(entries: list, valid: np.ndarray) -> np.ndarray:
+        """Decode: a vPod's batch is its engine's admission limit, not a choice at load. Below
+        it the engine runs whatever is in flight, so of the batches of one allocation (chip,
+        shape, TP/PP/EP) that meet every SLO of a segment the widest serves that segment at
+        least as well (more tokens/s per vPod, less energy per token) and never costs more
+        vPods. Keep only it: otherwise the choice flips between batches of the same vPods as
+        the load moves, and each flip is a new group, new vPods and a drain (Llama3.1-405B on
+        the OpenThoughts-like trace: b256 -> b384 -> b304 -> b336 -> b368 in two hours, 1.7x
+        Base's vPod-hours). ``valid``: points x first bucket of the segment."""
+        out = valid.copy()
+        by_alloc: dict[tuple, list[int]] = {}
+        for r, e in enumerate(entries):
+            by_alloc.setdefault((e.chip, e.topology, e.tp, e.pp, e.ep), []).append(r)
+        for rows in by_alloc.values():
+            if len(rows) < 2:
+                continue
+            rows.sort(key=lambda r: -entries[r].max_batch)
+            wider = np.zeros(valid.shape[1], dtype=bool)   # a wider batch is valid there
+            for r in rows:
+                out[r] &= ~wider
+                wider |= valid[r]
         return out
 
     def _points(self, buckets: list[int], j: int) -> list[tuple[GroupSpec, dict]]:

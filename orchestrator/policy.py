@@ -152,6 +152,9 @@ class Observation:
     inventory: list[VPodRecord] = field(default_factory=list)
     group_peak_queue: Mapping[str, int] = field(default_factory=dict)
     available_chips: Mapping[str, int | None] = field(default_factory=dict)  # None: no limit
+    # group -> the longest a request stayed on one of its vPods within the window (s): how long
+    # its vPods take to drain once nothing new is routed to them
+    group_drain_s: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass

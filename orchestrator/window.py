@@ -2,15 +2,18 @@
 
 Every ``sample_s`` (10 s) a driver records, per phase, the token rate of each sequence bucket
 (prefill: input tokens that arrived, decode: output tokens ordered) and notes the queues it sees
-(requests waiting in engines or at the router, per group); at each epoch it asks for an
+(requests waiting in engines or at the router, per group) and the time each finished request
+spent on its vPod; at each epoch it asks for an
 :class:`~orchestrator.policy.Observation`: the last ``window_s`` of samples, the peak queue per
-group since the previous epoch, the inventory and the chips left under each quota. The cluster
+group since the previous epoch, the longest stay on a group's vPods within the window, the
+inventory and the chips left under each quota. The cluster
 simulator records virtual-time slices, the live controller wall-clock ones; the policy cannot
 tell them apart.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -31,6 +34,11 @@ class ObservationWindow:
         self._ring = {ph: np.zeros((self.size, num_buckets)) for ph in PHASES}
         self._filled = {ph: 0 for ph in PHASES}
         self.peak_queue: dict[str, dict[str, int]] = {ph: {} for ph in PHASES}
+        # per epoch of the window (newest last): the longest time a request spent on a vPod
+        # of each group, per phase (decode: from joining to its last token) - how long a
+        # group's vPods take to drain
+        n_epochs = max(1, int(round(config.window_s / config.epoch_s)))
+        self._longest: dict[str, deque] = {ph: deque([{}], maxlen=n_epochs) for ph in PHASES}
 
     def record(self, phase: str, token_rates: np.ndarray) -> None:
         """One sample: tokens/s per bucket over the last ``sample_s``."""
@@ -49,6 +57,21 @@ class ObservationWindow:
         if depth > pq.get(group, 0):
             pq[group] = depth
 
+    def note_duration(self, phase: str, group: str, seconds: float) -> None:
+        """A request left a vPod of ``group`` after ``seconds`` on it."""
+        cur = self._longest[phase][-1]
+        if seconds > cur.get(group, 0.0):
+            cur[group] = seconds
+
+    def longest(self, phase: str) -> dict[str, float]:
+        """Per group, the longest time a request spent on one of its vPods within the window."""
+        out: dict[str, float] = {}
+        for d in self._longest[phase]:
+            for g, x in d.items():
+                if x > out.get(g, 0.0):
+                    out[g] = x
+        return out
+
     def samples(self, phase: str) -> np.ndarray:
         """The window's samples, oldest first: shape (samples, buckets)."""
         k, r = self._filled[phase], self._ring[phase]
@@ -62,11 +85,13 @@ class ObservationWindow:
         s = self.samples(phase)
         rates = {b: s[:, b] for b in range(s.shape[1]) if s[:, b].any()}
         return Observation(now_s, rates, inventory, self.peak_queue[phase],
-                           available_chips(quotas, used_chips))
+                           available_chips(quotas, used_chips), self.longest(phase))
 
     def end_epoch(self) -> None:
         """The queues are peaks per epoch: start the next one."""
         self.peak_queue = {ph: {} for ph in PHASES}
+        for d in self._longest.values():
+            d.append({})
 
 
 def available_chips(quotas: Mapping[str, int], used_chips: Mapping[str, int]) -> dict[str, int]:

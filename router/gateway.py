@@ -51,7 +51,7 @@ import logging
 import math
 import time
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Collection, Hashable, Mapping, Sequence
 from urllib.parse import urlsplit
@@ -107,6 +107,9 @@ class Samples:
     tokens: dict[str, np.ndarray]
     waiting: dict[tuple[str, Hashable], int]
     requests: int = 0                    # requests admitted
+    # (phase, group) -> the longest a finished request stayed on a vPod of the group (decode:
+    # from its first token to its last): how long the group's vPods take to drain
+    longest_s: dict[tuple[str, Hashable], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,7 @@ class Gateway:
         self._in_flight = 0
         self._waiting: dict[tuple[str, Hashable], int] = {}
         self._wait_peak: dict[tuple[str, Hashable], int] = {}
+        self._longest: dict[tuple[str, Hashable], float] = {}
         self._last_sample = _now()
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
@@ -340,7 +344,8 @@ class Gateway:
         waiting = {k: v for k, v in self._wait_peak.items() if v > 0}
         self._wait_peak = {k: v for k, v in self._waiting.items() if v > 0}
         n, self._admitted = self._admitted, 0
-        return Samples(dt, tokens, waiting, n)
+        longest, self._longest = self._longest, {}
+        return Samples(dt, tokens, waiting, n, longest)
 
     def outstanding(self, vpod_id: str) -> int:
         """Requests in flight on a vPod (a vPod is drained when this is 0)."""
@@ -472,6 +477,10 @@ class Gateway:
         m.e2e.observe(t_end - f.t0)
         if f.t_first is not None and f.generated > 1:
             m.tpot.observe((t_end - f.t_first) / (f.generated - 1))
+            if f.group is not None:
+                key = ("decode", f.group)
+                if t_end - f.t_first > self._longest.get(key, 0.0):
+                    self._longest[key] = t_end - f.t_first
         if f.finish == "stop" and not f.req.ignore_eos and f.generated > 0:
             self._default_predictor.observe(f.prompt_tokens, f.generated)
             if self.predictor is not self._default_predictor:

@@ -268,6 +268,9 @@ class ClusterSim:
         req = self.req
         ttft, tpot, inp_l, out_l, arr_l = req.ttft, req.tpot, req.inp_l, req.out_l, req.arr_l
         e_pre = req.energy_j["prefill"]
+        if done:
+            self.window.note_duration("prefill", v.group,
+                                      max(q.finish_s - q.arrival_s for q in done))
         for q in done:
             r = q.req_id
             x, y = inp_l[r], out_l[r]
@@ -305,6 +308,9 @@ class ClusterSim:
         """Finished decode segments: the request's next segment (a migration), or its TPOT."""
         req = self.req
         e_dec = req.energy_j["decode"]
+        if done:                                  # how long this group's vPods take to drain
+            self.window.note_duration("decode", v.group,
+                                      max(q.finish_s - q.arrival_s for q in done))
         for q in done:
             r = q.req_id
             v.outstanding -= q.output_tokens

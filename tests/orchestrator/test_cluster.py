@@ -251,3 +251,28 @@ def test_decode_load_is_observed_where_it_was_routed(db, monkeypatch, accuracy):
         assert np.allclose(routed, true)
     else:
         assert mean_bucket(routed) > mean_bucket(true)
+
+
+def test_the_policy_sees_how_long_each_group_takes_to_drain(db, monkeypatch):
+    """The simulator notes every finished request's stay on its vPod into the window, so the
+    load-aware policy prices a re-choice's drain as the live controller does."""
+    from orchestrator.loadaware import LoadAwarePolicy
+    seen: list = []
+    plan = LoadAwarePolicy.plan
+
+    def spy(self, obs, state=None):
+        seen.append((self.phase, dict(obs.group_drain_s), {v.group for v in obs.inventory}))
+        return plan(self, obs, state)
+    monkeypatch.setattr(LoadAwarePolicy, "plan", spy)
+    rng = np.random.default_rng(3)
+    n = 300
+    tr = (np.sort(rng.uniform(0, 900, n)), rng.integers(100, 3000, n), rng.integers(50, 400, n))
+    cfg = ClusterConfig(seed=2)
+    _, res = run(db, "neuscale", cfg=cfg, tr=tr)
+    later = [(ph, d, groups) for ph, d, groups in seen[2:]]
+    assert any(d for _, d, _ in later)
+    tpot = np.asarray(res.tpot_s)
+    longest = float(np.nanmax(tpot * (tr[2] - 1)))        # a whole decode, at most
+    for ph, d, groups in later:
+        for g, x in d.items():
+            assert 0 < x and (ph == "prefill" or x <= longest + 1e-9), (ph, g, x)

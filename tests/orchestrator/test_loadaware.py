@@ -205,3 +205,84 @@ def test_a_prefill_queue_within_the_slos_slack_is_no_emergency(db, pricer):
     p1 = paper.plan(Observation(300.0, {i: flat(rate)}, pinv, group_peak_queue={pg: pslots + 1}),
                     p0.state)
     assert any("emergency" in line for line in p1.explain())
+
+
+@pytest.mark.parametrize("metric", ["energy", "cost"])
+@pytest.mark.parametrize("buckets", [[8], [34, 40], [4, 12, 20, 24]])
+def test_a_decode_group_runs_the_widest_batch_of_its_allocation(db, pricer, metric, buckets):
+    """A decode vPod's batch is its engine's admission limit, not a choice at load: of the
+    batches of one allocation that meet every SLO of the buckets a group serves, the group
+    runs the widest (fewer vPods, less energy per token), whatever the load - so the choice
+    never moves between batches of the same vPods as the load moves. (Under the cost metric
+    batches of one allocation tie on price wherever they need as many vPods.)"""
+    import copy
+
+    from orchestrator.pricing import Alloc
+    db = copy.copy(db)
+    db.meta = {**db.meta, "metric": metric}
+    slo = db.meta["slo_s"]["decode"]
+    batch_of: dict = {}
+    for light in (0.001, 0.05, 0.2, 0.5, 1.0, 2.0):
+        rates = {i: flat(light * db.entry_at("decode", i).throughput_tok_per_s)
+                 for i in buckets}
+        plan = LoadAwarePolicy(db, "decode", pricer=pricer).plan(Observation(0.0, rates))
+        for g in chosen(plan):
+            e = plan.groups[g].entry
+            served = [i for i in buckets if plan.routing.groups[i] == g]
+            wider = [p["batch"] for p in db.pareto_for("decode", db.edges[max(served)], e.chip)
+                     if (p["topology"], p["tp"], p["pp"], p["ep"]) ==
+                     (e.topology, e.tp, e.pp, e.ep) and p["batch"] > e.max_batch
+                     and p.get("cm_meets_slo") is not False]
+            for b in wider:                  # every wider batch misses a served bucket's SLO
+                a = Alloc(e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep, b)
+                assert any(pricer.cost(a, "decode", db.edges[i]).latency_s > slo[i]
+                           for i in served), (g, b)
+            key = (e.chip, e.topology, e.tp, e.pp, e.ep, tuple(served))
+            assert batch_of.setdefault(key, e.max_batch) == e.max_batch
+
+
+def test_a_rechoice_pays_the_drain_of_what_it_leaves(db, pricer):
+    """Make-before-break keeps the old group's vPods up until their requests finish, beside a
+    new group sized for the whole load: a re-choice must save more than the new vPods'
+    start-up plus the old ones' drain (the longest stay of a request on them in the window,
+    which both drivers observe)."""
+    i, low = 4, 1000.0
+    high = next(r for r in (1e6, 3e6, 1e7) if set(chosen(LoadAwarePolicy(
+        db, "decode", pricer=pricer).plan(Observation(0.0, {i: flat(r)})))) != set(chosen(
+            LoadAwarePolicy(db, "decode", pricer=pricer).plan(Observation(0.0, {i: flat(low)})))))
+
+    def epochs(drain_s):
+        pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+        plan = pol.plan(Observation(0.0, {i: flat(low)}))
+        (g0,) = chosen(plan)
+        state, inv = plan.state, inventory(plan)
+        for k in range(1, 8):
+            plan = pol.plan(Observation(300.0 * k, {i: flat(high)}, inv,
+                                        group_drain_s={g0: drain_s}), state)
+            state = plan.state
+            inv = [v for v in inv if v.group in plan.groups] + inventory(plan)
+            if set(chosen(plan)) != {g0}:
+                return k, plan
+        return None, plan
+    k, plan = epochs(1.0)
+    assert k is not None and "start-up and drain" in next(iter(chosen(plan).values())).reason
+    k, plan = epochs(1e7)                 # vPods that would take months to drain: never
+    assert k is None and "drain what it leaves" in next(iter(chosen(plan).values())).reason
+
+
+def test_the_window_keeps_the_longest_stay_per_group_for_one_window():
+    from orchestrator.window import ObservationWindow
+    cfg = PolicyConfig()
+    w = ObservationWindow(4, cfg)
+    w.note_duration("decode", "a", 30.0)
+    w.note_duration("decode", "a", 10.0)
+    w.note_duration("prefill", "b", 2.0)
+    assert w.longest("decode") == {"a": 30.0} and w.longest("prefill") == {"b": 2.0}
+    assert w.observe("decode", 0.0, [], {}, {}).group_drain_s == {"a": 30.0}
+    epochs = int(round(cfg.window_s / cfg.epoch_s))
+    for _ in range(epochs - 1):
+        w.end_epoch()
+    assert w.longest("decode") == {"a": 30.0}          # still within the window
+    w.note_duration("decode", "a", 5.0)
+    w.end_epoch()
+    assert w.longest("decode") == {"a": 5.0}           # the 30 s stay left the window

@@ -187,6 +187,11 @@ def test_short_and_long_requests_land_in_different_groups(pd):
     assert s.requests == 3 and s.tokens["prefill"].sum() == 2 * count_tokens(PROMPT) + \
         count_tokens(long_prompt)
     assert s.tokens["decode"][pd.gw._bucket(count_tokens(PROMPT) + 900)] == 900
+    # how long a request stayed on each decode group (from its first token to its last: how
+    # long the group's vPods take to drain), for the controller's observation window
+    assert set(s.longest_s) == {("decode", "S"), ("decode", "L")}
+    assert s.longest_s[("decode", "L")] > s.longest_s[("decode", "S")] > 0
+    assert pd.lt.call(pd.gw.take_samples).longest_s == {}       # reset with the sample
 
 
 def test_forced_migration_is_one_uninterrupted_stream(rig):
