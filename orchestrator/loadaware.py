@@ -231,13 +231,21 @@ class LoadAwarePolicy(Policy):
 
     def _current_partition(self, buckets: list[int], window: np.ndarray, mean: np.ndarray,
                            state: PolicyState) -> list | None:
-        """What ran last epoch, priced at this load; None when a bucket with traffic had no
-        group or its group's allocation no longer meets one of its buckets' SLO."""
+        """What ran last epoch, priced at this load; None when nothing ran or a group's
+        allocation does not meet one of its buckets' SLO. A bucket that had no traffic then
+        joins the running group of the nearest longer bucket (else shorter): the router sends
+        a request to the shortest group that holds its length, so that is where its load
+        goes until a re-choice pays (a first request at a new length is not a reason to
+        regroup for free)."""
+        ran = [(i, state.chosen[i]) for i in buckets
+               if state.chosen.get(i) in state.allocs]
+        if not ran:
+            return None
         groups: dict[str, list[int]] = {}
         for k, i in enumerate(buckets):
             g = state.chosen.get(i)
-            if g is None or g not in state.allocs:
-                return None
+            if g not in state.allocs:
+                g = next((h for j, h in ran if j > i), ran[-1][1])
             groups.setdefault(g, []).append(k)
         out = []
         for g, ks in groups.items():

@@ -286,3 +286,23 @@ def test_the_window_keeps_the_longest_stay_per_group_for_one_window():
     w.note_duration("decode", "a", 5.0)
     w.end_epoch()
     assert w.longest("decode") == {"a": 5.0}           # the 30 s stay left the window
+
+
+def test_a_first_request_at_a_new_length_joins_the_running_group(db, pricer):
+    """A bucket that had no traffic joins the running group that holds its length (where the
+    router sends it) instead of forcing a fresh choice past the re-choice rules (Llama3.1-405B
+    on the OpenThoughts-like trace: the first 1.8 K-token request split one group into three,
+    new vPods and a drain; Llama3-70B on the LV-Eval-like trace: 0.79x -> 2.0x Base's
+    tokens/$ on 2 h)."""
+    i = 20
+    pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+    first = pol.plan(Observation(0.0, {i: flat(2000.0)}))
+    (g0,) = chosen(first)
+    a = alloc_of(first.groups[g0])
+    slo = db.meta["slo_s"]["decode"]
+    j = next(j for j in range(i - 1, -1, -1)
+             if pricer.cost(a, "decode", db.edges[j]).latency_s <= slo[j])
+    obs = Observation(300.0, {i: flat(2000.0), j: flat(20.0)}, inventory(first))
+    plan = pol.plan(obs, first.state)
+    assert set(chosen(plan)) == {g0} and "kept" in chosen(plan)[g0].reason
+    assert plan.routing.groups[j] == g0 and plan.state.chosen[j] == g0
