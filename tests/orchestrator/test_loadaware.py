@@ -306,3 +306,19 @@ def test_a_first_request_at_a_new_length_joins_the_running_group(db, pricer):
     plan = pol.plan(obs, first.state)
     assert set(chosen(plan)) == {g0} and "kept" in chosen(plan)[g0].reason
     assert plan.routing.groups[j] == g0 and plan.state.chosen[j] == g0
+
+
+def test_a_new_length_no_running_group_can_take_gets_a_group_of_its_own(db, pricer):
+    """A first request at a length no running allocation meets the SLO of gets the cheapest
+    group of its own; what runs keeps running (it is not re-chosen past the re-choice rules:
+    a re-choice of everything restarts every vPod and drains the old ones)."""
+    i = 8
+    pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+    first = pol.plan(Observation(0.0, {i: flat(300.0)}))
+    (g0,) = chosen(first)
+    j = next(j for j in range(i + 1, len(db.edges)) if not pol._meets(first.groups[g0], j))
+    obs = Observation(300.0, {i: flat(300.0), j: flat(30.0)}, inventory(first))
+    plan = pol.plan(obs, first.state)
+    assert plan.routing.groups[i] == g0 and "kept" in chosen(plan)[g0].reason
+    gj = plan.routing.groups[j]
+    assert gj != g0 and pol._meets(plan.groups[gj], j)
