@@ -89,6 +89,7 @@ class LoadAwarePolicy(Policy):
         # 1, the DSE's test, by default - see there why not less)
         self._margin = 1.0 if phase == "prefill" else config.decode_step_margin
         self._fronts: dict[tuple[int, ...], dict | None] = {}
+        self._need: dict[str, int] = {}        # per group: vPods its last epoch's peak needs
 
     # ---- sizing in demand ---------------------------------------------------------------------
     def slack(self, costs: list, buckets: list[int]) -> float:
@@ -134,6 +135,27 @@ class LoadAwarePolicy(Policy):
         has no slack: its batch slots, as the paper's rule."""
         slack = self._slack.get(g, (0.0, 1, True))[0]
         return 1.0 + (slack if math.isfinite(slack) else 0.0)
+
+    def _size(self, spec: GroupSpec, s: np.ndarray, T: float, gs, current: int,
+              now_s: float) -> tuple[int, str]:
+        n_epoch = max(1, int(round(self.cfg.epoch_s / self.cfg.sample_s)))
+        self._need[spec.id] = self._n_pod(spec.id, float(s[-n_epoch:].max()), T)
+        return super()._size(spec, s, T, gs, current, now_s)
+
+    def _emergency(self, spec: GroupSpec, vpods: list, queue: int, want: int,
+                   why: str) -> tuple[int, str]:
+        """The paper's emergency scale-out, up to what the last epoch's peak demand needs
+        (sized as always, without the growth limit): a queue that capacity for the epoch's
+        peak rate would have served is a burst's, and gone by the time new vPods start
+        (DeepSeek-V3 on the Azure coding day: a peak queue of 36 prompts at three batch-1
+        prefill vPods ordered seven more for a demand of 0.7 vPods, held for half an hour)."""
+        new, why2 = super()._emergency(spec, vpods, queue, want, why)
+        need = self._need.get(spec.id, new)
+        if new <= want or need <= want:
+            return want, why
+        if need < new:
+            return need, why2 + f"; at most the {need} the epoch's peak demand needs"
+        return new, why2
 
     def _n_pod(self, g: str, r: float, T: float) -> int:
         return servers_needed(r / T, *self._slack.get(g, (math.inf, 1, True)))
