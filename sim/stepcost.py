@@ -157,6 +157,9 @@ class StepCostTable:
                                             self.g_seq2))
         self._s = tuple(a.tolist() for a in self._v)
         self._rows: dict[float, tuple] = {}      # decode-only steps by batch size
+        # prefill-only steps by (tokens, context): a batch-1 prefill vPod prices each prompt
+        # length once (2.5 M prompts on the Azure coding day, far fewer distinct lengths)
+        self._prefill_memo: dict[tuple[float, float], tuple[float, float]] = {}
         self._ep = ep
         self._heads: dict[int, tuple[float, float]] = {}
 
@@ -403,13 +406,21 @@ class StepCostTable:
             dyn = row[1] + math.exp(er[j] + f * (er[j + 1] - er[j]))
             return lat, dyn + self.static_power_w * self.num_chips * lat
         if nd_glob == 0.0 and p > 0.0:                  # prefill-only (P/D prefill vPods)
+            got = self._prefill_memo.get((p, ctx))
+            if got is not None:
+                return got
+            if len(self._prefill_memo) > 1 << 18:
+                self._prefill_memo.clear()
+            key = (p, ctx)
             s, ep = self._s, self._ep
             p, ctx = p / ep, ctx / ep
             lat, dyn = _interp1_scalar(s[0], s[3], s[4], p)
             x, y = self._heads.get(1) or self._head(1)
             u, v = _interp2_scalar(s[11], s[2], s[7], s[8], p, ctx / p)
             lat += x + u + STEP_OVERHEAD_S
-            return lat, dyn + y + v + self.static_power_w * self.num_chips * lat
+            got = self._prefill_memo[key] = (lat, dyn + y + v
+                                             + self.static_power_w * self.num_chips * lat)
+            return got
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
         ep = self._ep
         p, ctx = p / ep, ctx / ep
