@@ -161,6 +161,7 @@ class Observation:
 class GroupState:
     ewma_peak: float = 0.0
     last_shrink_s: float = -math.inf
+    queued: bool = False              # the last epoch's peak queue was beyond the group's slots
 
 
 @dataclass

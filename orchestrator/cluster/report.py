@@ -162,7 +162,8 @@ def _plot_vs_length(plt, per_request, db, model: str, path: Path) -> Path:
                 m = ok & (b == k)
                 xs.append(edges[k])
                 ys.append(energy[m].sum() / tokens[m].sum())
-                zs.append(np.nanmedian(lat[m]) / slo[k])
+                served = lat[m][np.isfinite(lat[m])]     # (none: every one dropped, or Ideal)
+                zs.append(float(np.median(served)) / slo[k] if served.size else np.nan)
             axes[0, col].plot(xs, ys, marker=".", lw=0.8, label=name)
             axes[1, col].plot(xs, zs, marker=".", lw=0.8, label=name)
     for col, ph in enumerate(("prefill", "decode")):
