@@ -42,9 +42,14 @@ at the throughput of one bucket. Both go wrong away from full load:
 Changing a running group's allocation is the paper's scale up/down: the new allocation is a new
 group (routing moves make-before-break, the old one drains), so it is done only when it pays:
 the saving over the window must exceed the new vPods' start-up (Table 3's creation, engine start
-and weight load at static cost), the better allocation must have been the better one for
-``rechoose_epochs`` epochs in a row (no flapping), and a group in an emergency (queue beyond its
-batch slots) first scales out what it runs. Groups whose choices coincide are one group.
+and weight load at static cost) and the drain of the groups it leaves (their vPods stay up until
+their requests finish: the longest stay the window saw), the better allocation must have been
+the better one for ``rechoose_epochs`` epochs in a row (no flapping), and a group in an
+emergency (queue beyond its batch slots) first scales out what it runs. A decode group runs the
+widest batch of its allocation that meets its buckets' SLOs (the batch is an admission limit,
+not a choice at load); a length with no traffic before joins the running group that holds it,
+and an emergency scales out only as far as the last epoch's peak demand needs unless the queue
+persists. Groups whose choices coincide are one group.
 """
 
 from __future__ import annotations
