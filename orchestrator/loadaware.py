@@ -265,7 +265,8 @@ class LoadAwarePolicy(Policy):
             if spec.id in kept or not up.get(spec.id):
                 continue
             c = self.pricer.cost(alloc_of(spec), self.phase, self.edges[seg[-1]])
-            out += up[spec.id] * obs.group_drain_s.get(spec.id, 0.0) * static_per_s(c, self.metric)
+            drain_s = obs.group_drain_s.get(spec.id, 0.0)
+            out += up[spec.id] * drain_s * static_per_s(c, self.metric)
         return out
 
     def _current_partition(self, buckets: list[int], window: np.ndarray, mean: np.ndarray,
