@@ -95,7 +95,6 @@ class LoadAwarePolicy(Policy):
         self._margin = 1.0 if phase == "prefill" else config.decode_step_margin
         self._fronts: dict[tuple[int, ...], dict | None] = {}
         self._need: dict[str, int] = {}        # per group: vPods its last epoch's peak needs
-        self._gs: dict = {}                     # per group: its GroupState this plan
 
     # ---- sizing in demand ---------------------------------------------------------------------
     def slack(self, costs: list, buckets: list[int]) -> float:
@@ -146,11 +145,10 @@ class LoadAwarePolicy(Policy):
               now_s: float) -> tuple[int, str]:
         n_epoch = max(1, int(round(self.cfg.epoch_s / self.cfg.sample_s)))
         self._need[spec.id] = self._n_pod(spec.id, float(s[-n_epoch:].max()), T)
-        self._gs[spec.id] = gs
         return super()._size(spec, s, T, gs, current, now_s)
 
     def _emergency(self, spec: GroupSpec, vpods: list, queue: int, want: int,
-                   why: str) -> tuple[int, str]:
+                   why: str, gs) -> tuple[int, str]:
         """The paper's emergency scale-out, up to what the last epoch's peak demand needs
         (sized as always, without the growth limit): a queue that capacity for the epoch's
         peak rate would have served is a burst's, and gone by the time new vPods start
@@ -160,11 +158,8 @@ class LoadAwarePolicy(Policy):
         under-estimates what the group needs, and the paper's rule applies (Llama3-70B at 64x
         the Azure load: a queue of 264 prompts at 93 pipelined batch-1 vPods the model said
         were enough; prefill SLO 22 % with the cap alone)."""
-        new, why2 = super()._emergency(spec, vpods, queue, want, why)
-        gs = self._gs.get(spec.id)
-        persistent = gs is not None and gs.queued
-        if gs is not None:
-            gs.queued = new > want
+        new, why2 = super()._emergency(spec, vpods, queue, want, why, gs)
+        persistent, gs.queued = gs.queued, new > want
         if new <= want or persistent:       # a queue two epochs running: the paper's rule
             return new, why2
         need = self._need.get(spec.id, new)

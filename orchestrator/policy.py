@@ -311,7 +311,7 @@ class Policy:
             want, why = self._size(specs[g], *self._demand(g, specs[g], load), gs, len(vpods),
                                    obs.now_s)
             want, why = self._emergency(specs[g], vpods, obs.group_peak_queue.get(g, 0),
-                                        want, why)
+                                        want, why, gs)
             if rates[g] == 0 and obs.group_peak_queue.get(g, 0) == 0:
                 want, why = 0, "no traffic in the window"
             target[g] = want
@@ -450,7 +450,7 @@ class Policy:
         return 1.0
 
     def _emergency(self, spec: GroupSpec, vpods: list[VPodRecord], queue: int, want: int,
-                   why: str) -> tuple[int, str]:
+                   why: str, gs: GroupState) -> tuple[int, str]:
         """Emergency scale-out past the doubling limit when the peak queue exceeds the group's
         batch slots (vPods still starting count: capacity on its way; without them every epoch
         of a start-up would order the same vPods again), at most x``emergency_max_factor``."""
