@@ -97,6 +97,31 @@ class LoadAwarePolicy(Policy):
         self._need: dict[str, int] = {}        # per group: vPods its last epoch's peak needs
 
     # ---- sizing in demand ---------------------------------------------------------------------
+    def _window(self, obs: Observation) -> dict[int, np.ndarray]:
+        """The window's samples; for decode each bucket's averaged over the time its requests
+        hold a slot (the window's mean stay there, ``Observation.bucket_stay_s``).
+
+        A decode slot is held for a request's whole answer, so the slots busy at ``t`` are
+        the requests that arrived within one stay before ``t`` (Little's law over a moving
+        window): the load a decode group must hold is the token rate averaged over a stay,
+        not over one 10-s sample. The Erlang sizing (:func:`orchestrator.pricing.servers_needed`)
+        then adds the headroom for the Poisson noise of that load; the raw samples' peak
+        counts that noise twice. OpenThoughts-like answers (11.6 K tokens, ~10 min on a vPod)
+        arrive ~4 per sample: the 10-s peak over 30 min is ~2.8x the mean, the 10-min average
+        within ~1.2x, and one vPod serves what the raw peak sized at two. Azure coding answers
+        (27 tokens, ~1 s) are not averaged at all (a stay under two samples)."""
+        series = super()._window(obs)
+        if self.phase == "prefill" or not obs.bucket_stay_s:
+            return series
+        for i, s in series.items():
+            k = int(round(obs.bucket_stay_s.get(i, 0.0) / self.cfg.sample_s))
+            if k >= 2 and len(s) >= 2:
+                c = np.concatenate(([0.0], np.cumsum(s)))
+                n = np.minimum(np.arange(1, len(s) + 1), k)
+                idx = np.arange(1, len(s) + 1)
+                series[i] = (c[idx] - c[idx - n]) / n
+        return series
+
     def slack(self, costs: list, buckets: list[int]) -> float:
         """Service times a request of the group may wait: for prefill its tightest bucket's
         SLO over the allocation's latency there, minus 1; for decode none - a request's wait

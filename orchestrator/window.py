@@ -3,10 +3,10 @@
 Every ``sample_s`` (10 s) a driver records, per phase, the token rate of each sequence bucket
 (prefill: input tokens that arrived, decode: output tokens ordered) and notes the queues it sees
 (requests waiting in engines or at the router, per group) and the time each finished request
-spent on its vPod; at each epoch it asks for an
-:class:`~orchestrator.policy.Observation`: the last ``window_s`` of samples, the peak queue per
-group since the previous epoch, the longest stay on a group's vPods within the window, the
-inventory and the chips left under each quota. The cluster
+spent on its vPod (per group, and for decode per bucket its load was counted at); at each epoch
+it asks for an :class:`~orchestrator.policy.Observation`: the last ``window_s`` of samples, the
+peak queue per group since the previous epoch, the longest stay on a group's vPods and the mean
+decode stay per bucket within the window, the inventory and the chips left under each quota. The cluster
 simulator records virtual-time slices, the live controller wall-clock ones; the policy cannot
 tell them apart.
 """
@@ -39,6 +39,8 @@ class ObservationWindow:
         # group's vPods take to drain
         n_epochs = max(1, int(round(config.window_s / config.epoch_s)))
         self._longest: dict[str, deque] = {ph: deque([{}], maxlen=n_epochs) for ph in PHASES}
+        # per epoch of the window: bucket -> [seconds, requests] of the stays noted there
+        self._stays: dict[str, deque] = {ph: deque([{}], maxlen=n_epochs) for ph in PHASES}
 
     def record(self, phase: str, token_rates: np.ndarray) -> None:
         """One sample: tokens/s per bucket over the last ``sample_s``."""
@@ -63,6 +65,27 @@ class ObservationWindow:
         if seconds > cur.get(group, 0.0):
             cur[group] = seconds
 
+    def note_stay(self, phase: str, bucket: int, seconds: float, requests: int = 1) -> None:
+        """``requests`` requests whose load was counted at ``bucket`` held a vPod's slot for
+        ``seconds`` in all (decode: from joining a vPod to the last token)."""
+        cur = self._stays[phase][-1]
+        acc = cur.get(bucket)
+        if acc is None:
+            cur[bucket] = [seconds, requests]
+        else:
+            acc[0] += seconds
+            acc[1] += requests
+
+    def stays(self, phase: str) -> dict[int, float]:
+        """Per bucket, the mean stay of the requests noted there within the window (s)."""
+        tot: dict[int, list] = {}
+        for d in self._stays[phase]:
+            for b, (x, n) in d.items():
+                acc = tot.setdefault(b, [0.0, 0])
+                acc[0] += x
+                acc[1] += n
+        return {b: x / n for b, (x, n) in tot.items() if n > 0}
+
     def longest(self, phase: str) -> dict[str, float]:
         """Per group, the longest time a request spent on one of its vPods within the window."""
         out: dict[str, float] = {}
@@ -85,12 +108,13 @@ class ObservationWindow:
         s = self.samples(phase)
         rates = {b: s[:, b] for b in range(s.shape[1]) if s[:, b].any()}
         return Observation(now_s, rates, inventory, self.peak_queue[phase],
-                           available_chips(quotas, used_chips), self.longest(phase))
+                           available_chips(quotas, used_chips), self.longest(phase),
+                           self.stays(phase))
 
     def end_epoch(self) -> None:
         """The queues are peaks per epoch: start the next one."""
         self.peak_queue = {ph: {} for ph in PHASES}
-        for d in self._longest.values():
+        for d in (*self._longest.values(), *self._stays.values()):
             d.append({})
 
 

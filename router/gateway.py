@@ -110,6 +110,9 @@ class Samples:
     # (phase, group) -> the longest a finished request stayed on a vPod of the group (decode:
     # from its first token to its last): how long the group's vPods take to drain
     longest_s: dict[tuple[str, Hashable], float] = field(default_factory=dict)
+    # decode bucket (where the request's predicted tokens were counted) -> [seconds, requests]
+    # of the finished requests' stays from first to last token: how long a slot is held
+    stay_s: dict[int, list] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,7 @@ class Gateway:
         self._waiting: dict[tuple[str, Hashable], int] = {}
         self._wait_peak: dict[tuple[str, Hashable], int] = {}
         self._longest: dict[tuple[str, Hashable], float] = {}
+        self._stay: dict[int, list] = {}
         self._last_sample = _now()
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
@@ -345,7 +349,8 @@ class Gateway:
         self._wait_peak = {k: v for k, v in self._waiting.items() if v > 0}
         n, self._admitted = self._admitted, 0
         longest, self._longest = self._longest, {}
-        return Samples(dt, tokens, waiting, n, longest)
+        stay, self._stay = self._stay, {}
+        return Samples(dt, tokens, waiting, n, longest, stay)
 
     def outstanding(self, vpod_id: str) -> int:
         """Requests in flight on a vPod (a vPod is drained when this is 0)."""
@@ -481,6 +486,10 @@ class Gateway:
                 key = ("decode", f.group)
                 if t_end - f.t_first > self._longest.get(key, 0.0):
                     self._longest[key] = t_end - f.t_first
+            if f.est > 1:                  # its decode load was counted at this bucket
+                acc = self._stay.setdefault(self._bucket(f.prompt_tokens + f.est), [0.0, 0])
+                acc[0] += t_end - f.t_first
+                acc[1] += 1
         if f.finish == "stop" and not f.req.ignore_eos and f.generated > 0:
             self._default_predictor.observe(f.prompt_tokens, f.generated)
             if self.predictor is not self._default_predictor:

@@ -311,6 +311,7 @@ class ClusterSim:
         if done:                                  # how long this group's vPods take to drain
             self.window.note_duration("decode", v.group,
                                       max(q.finish_s - q.arrival_s for q in done))
+            self._note_stays(v.group, done)
         for q in done:
             r = q.req_id
             v.outstanding -= q.output_tokens
@@ -328,6 +329,28 @@ class ClusterSim:
             self._segments.pop(r, None)
             req.tpot[r] = (q.finish_s - req.dec_start[r]) / (req.out_l[r] - 1)
             req.dec_end[r] = q.finish_s
+
+    def _note_stays(self, g: str, done: list) -> None:
+        """Each finished segment's time on a vPod of ``g``, at the bucket its tokens were
+        counted at (:meth:`_observe_decode`): how long the group's requests hold a slot."""
+        table, tb = self._routing["decode"], self.req.tb
+        stays: dict[int, list] = {}
+        routed = self.cfg.observe_routed and table is not None
+        if routed:
+            groups = table.groups
+            own = table.bucket(table.best_len[g]) if g in table.best_len else None
+        for q in done:
+            b = tb[q.req_id]
+            if routed and groups[b] != g and own is not None:
+                b = own
+            acc = stays.get(b)
+            if acc is None:
+                stays[b] = [q.finish_s - q.arrival_s, 1]
+            else:
+                acc[0] += q.finish_s - q.arrival_s
+                acc[1] += 1
+        for b, (x, n) in stays.items():
+            self.window.note_stay("decode", int(b), x, n)
 
     def _draw(self) -> float:
         """A uniform for a routing decision (drawn in blocks of 4096)."""

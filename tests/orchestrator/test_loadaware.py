@@ -297,6 +297,84 @@ def test_the_window_keeps_the_longest_stay_per_group_for_one_window():
     assert w.longest("decode") == {"a": 5.0}           # the 30 s stay left the window
 
 
+def test_the_window_keeps_the_mean_stay_per_bucket_for_one_window():
+    from orchestrator.window import ObservationWindow
+    cfg = PolicyConfig()
+    w = ObservationWindow(4, cfg)
+    w.note_stay("decode", 2, 600.0, 2)                 # two requests, 300 s each
+    w.note_stay("decode", 2, 100.0)
+    w.note_stay("decode", 3, 5.0)
+    assert w.stays("decode") == {2: pytest.approx(700.0 / 3), 3: 5.0}
+    assert w.stays("prefill") == {}
+    assert w.observe("decode", 0.0, [], {}, {}).bucket_stay_s == w.stays("decode")
+    for _ in range(int(round(cfg.window_s / cfg.epoch_s)) - 1):
+        w.end_epoch()
+    w.note_stay("decode", 2, 40.0)
+    assert w.stays("decode")[2] == pytest.approx(740.0 / 4)   # still within the window
+    w.end_epoch()
+    assert w.stays("decode") == {2: 40.0}              # the first epoch's stays left it
+
+
+def poisson_tokens(rate_tok_s, out_tokens, seed=0, n=N, dt=10.0):
+    """10-s samples (tokens/s) of requests of ``out_tokens`` each arriving as a Poisson
+    process at ``rate_tok_s / out_tokens`` per second."""
+    rng = np.random.default_rng(seed)
+    return rng.poisson(rate_tok_s / out_tokens * dt, n) * out_tokens / dt
+
+
+def test_decode_is_sized_on_the_load_over_a_stay_not_a_samples_noise(db, pricer):
+    """Long answers hold a slot for minutes: the slots busy are the requests of the last stay,
+    so the policy averages each bucket's samples over its mean stay before taking the window's
+    peak (the Erlang sizing adds the Poisson headroom once). With a few arrivals per sample
+    the raw 10-s peak is several times the mean; averaged over a 10-minute stay it is close
+    to it, and the group needs fewer vPods. Stays under two samples change nothing."""
+    i = 24
+    out = 8000
+    samples = poisson_tokens(0.2 * out, out)             # one 8 K-token answer per 5 s
+    assert samples.max() > 2.5 * samples.mean()          # the noise of a few per sample
+
+    def plan(stay_s):
+        obs = Observation(0.0, {i: samples}, bucket_stay_s={i: stay_s} if stay_s else {})
+        return LoadAwarePolicy(db, "decode", pricer=pricer).plan(obs)
+
+    raw, short, long = plan(None), plan(12.0), plan(600.0)
+    assert raw.target == short.target and raw.rates == short.rates   # no averaging
+    (g_raw,), (g_long,) = raw.rates, long.rates
+    # the averaged load's peak is near the mean, far below the raw peak ...
+    assert long.rates[g_long] < 1.5 * samples.mean() < raw.rates[g_raw]
+    # ... and it needs fewer slots: fewer vPods, or the same allocation cannot be larger
+    cap = lambda p: sum(p.target[g] * p.groups[g].entry.max_batch  # noqa: E731
+                        * p.groups[g].entry.num_chips for g in p.target)
+    assert cap(long) < cap(raw)
+
+
+def test_the_simulator_notes_each_decode_stay_at_its_counted_bucket(db, monkeypatch):
+    """Every finished decode segment's time on its vPod reaches the window at the bucket its
+    tokens were counted at, as the gateway notes its requests' (test_gateway)."""
+    from orchestrator.window import ObservationWindow
+    noted: list = []
+    note = ObservationWindow.note_stay
+
+    def spy(self, phase, bucket, seconds, requests=1):
+        noted.append((phase, bucket, seconds, requests))
+        return note(self, phase, bucket, seconds, requests)
+    monkeypatch.setattr(ObservationWindow, "note_stay", spy)
+    rng = np.random.default_rng(4)
+    n = 200
+    tr = (np.sort(rng.uniform(0, 600, n)), rng.integers(100, 3000, n), rng.integers(50, 400, n))
+    cfg = ClusterConfig(seed=2)
+    res = ClusterSim(ARCH, db, make_policies("neuscale", db, cfg.policy, tr[1], tr[2]),
+                     cfg).run(*tr)
+    decoded = int(np.sum(tr[2] > 1))
+    assert {ph for ph, *_ in noted} == {"decode"}
+    assert sum(k for *_, k in noted) >= decoded         # (+ a segment per migration)
+    tpot = np.asarray(res.tpot_s)
+    longest = float(np.nanmax(tpot * (tr[2] - 1)))
+    assert all(0 < x / k <= longest + 1e-9 for _, _, x, k in noted)
+    buckets = {b for _, b, _, _ in noted}
+    assert buckets and all(0 <= b < len(db.edges) for b in buckets)
+
+
 def test_a_first_request_at_a_new_length_joins_the_running_group(db, pricer):
     """A bucket that had no traffic joins the running group that holds its length (where the
     router sends it) instead of forcing a fresh choice past the re-choice rules (Llama3.1-405B

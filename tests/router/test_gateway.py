@@ -191,7 +191,14 @@ def test_short_and_long_requests_land_in_different_groups(pd):
     # long the group's vPods take to drain), for the controller's observation window
     assert set(s.longest_s) == {("decode", "S"), ("decode", "L")}
     assert s.longest_s[("decode", "L")] > s.longest_s[("decode", "S")] > 0
-    assert pd.lt.call(pd.gw.take_samples).longest_s == {}       # reset with the sample
+    # and, per decode bucket the load was counted at, the requests' stays (how long a slot is
+    # held: the controller averages a bucket's load over it)
+    long_b = pd.gw._bucket(count_tokens(PROMPT) + 900)
+    assert sum(n for _, n in s.stay_s.values()) == 3 and s.stay_s[long_b][1] == 1
+    assert s.stay_s[long_b][0] == pytest.approx(s.longest_s[("decode", "L")])
+    assert all(x > 0 for x, _ in s.stay_s.values())
+    again = pd.lt.call(pd.gw.take_samples)
+    assert again.longest_s == {} and again.stay_s == {}     # reset with the sample
 
 
 def test_forced_migration_is_one_uninterrupted_stream(rig):
