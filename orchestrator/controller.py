@@ -229,8 +229,8 @@ class Controller:
             self.window.note_queue(ph, g, n)
         for (ph, g), x in s.longest_s.items():
             self.window.note_duration(ph, g, x)
-        for b, (x, n) in s.stay_s.items():
-            self.window.note_stay("decode", b, x, n)
+        for (ph, b), (x, n) in s.stay_s.items():
+            self.window.note_stay(ph, b, x, n)
         ready = [v for v in self.vpods.values() if v.state == VPodState.READY]
         results = await asyncio.gather(*(self._scrape(v) for v in ready))
         for v, (ok, waiting) in zip(ready, results):

@@ -20,6 +20,8 @@ at the throughput of one bucket. Both go wrong away from full load:
   group's last-epoch load is least: ``N = ceil(peak demand)`` vPods' static cost plus the
   tokens' dynamic energy (dollars: ``N`` x price).
 
+* **Load over a stay.** Each bucket's samples are averaged over its requests' mean stay on a
+  vPod (:meth:`LoadAwarePolicy._window`) before the window's peak is taken.
 * **Headroom.** A request's TTFT is its wait plus its prefill, and the best fit is the most
   efficient allocation whose prefill *alone* meets the SLO - often within a few per cent of it
   (Llama3-70B's 20 K-token bucket: 4.29 s against 4.40 s). Sized at N = R / T, a group runs at
@@ -98,20 +100,22 @@ class LoadAwarePolicy(Policy):
 
     # ---- sizing in demand ---------------------------------------------------------------------
     def _window(self, obs: Observation) -> dict[int, np.ndarray]:
-        """The window's samples; for decode each bucket's averaged over the time its requests
-        hold a slot (the window's mean stay there, ``Observation.bucket_stay_s``).
+        """The window's samples, each bucket's averaged over the time its requests hold a
+        vPod's server or slot (the window's mean stay there, ``Observation.bucket_stay_s``).
 
-        A decode slot is held for a request's whole answer, so the slots busy at ``t`` are
-        the requests that arrived within one stay before ``t`` (Little's law over a moving
-        window): the load a decode group must hold is the token rate averaged over a stay,
-        not over one 10-s sample. The Erlang sizing (:func:`orchestrator.pricing.servers_needed`)
-        then adds the headroom for the Poisson noise of that load; the raw samples' peak
-        counts that noise twice. OpenThoughts-like answers (11.6 K tokens, ~10 min on a vPod)
-        arrive ~4 per sample: the 10-s peak over 30 min is ~2.8x the mean, the 10-min average
-        within ~1.2x, and one vPod serves what the raw peak sized at two. Azure coding answers
-        (27 tokens, ~1 s) are not averaged at all (a stay under two samples)."""
+        A decode slot is held for a request's whole answer, a prefill vPod for the prompt's
+        step(s), so the servers busy at ``t`` are the requests that arrived within one stay
+        before ``t`` (Little's law over a moving window): the load a group must hold is the
+        token rate averaged over a stay, not over one 10-s sample. The Erlang sizing
+        (:func:`orchestrator.pricing.servers_needed`) then adds the headroom for the Poisson
+        noise of that load; the raw samples' peak counts that noise twice. OpenThoughts-like
+        answers (11.6 K tokens, ~10 min on a vPod) arrive ~4 per sample: the 10-s peak over 30
+        min is ~2.8x the mean, the 10-min average within ~1.2x, and one vPod serves what the
+        raw peak sized at two; a 431 K-token LV-Eval prompt is one request on one vPod for
+        tens of seconds, not a rate that needs several vPods in its 10-s sample. Stays under
+        two samples (Azure coding answers, 27 tokens; most prompts) are not averaged."""
         series = super()._window(obs)
-        if self.phase == "prefill" or not obs.bucket_stay_s:
+        if not obs.bucket_stay_s:
             return series
         for i, s in series.items():
             k = int(round(obs.bucket_stay_s.get(i, 0.0) / self.cfg.sample_s))

@@ -155,8 +155,9 @@ class Observation:
     # group -> the longest a request stayed on one of its vPods within the window (s): how long
     # its vPods take to drain once nothing new is routed to them
     group_drain_s: Mapping[str, float] = field(default_factory=dict)
-    # bucket -> the mean time a request whose load was counted there held a vPod's slot within
-    # the window (s; decode: from joining a vPod to its last token)
+    # bucket -> the mean time a request whose load was counted there held a vPod's server or
+    # slot within the window (s; prefill: its prompt; decode: from joining a vPod to its last
+    # token)
     bucket_stay_s: Mapping[int, float] = field(default_factory=dict)
 
 

@@ -3,10 +3,10 @@
 Every ``sample_s`` (10 s) a driver records, per phase, the token rate of each sequence bucket
 (prefill: input tokens that arrived, decode: output tokens ordered) and notes the queues it sees
 (requests waiting in engines or at the router, per group) and the time each finished request
-spent on its vPod (per group, and for decode per bucket its load was counted at); at each epoch
+spent on its vPod (per group, and per bucket its load was counted at); at each epoch
 it asks for an :class:`~orchestrator.policy.Observation`: the last ``window_s`` of samples, the
 peak queue per group since the previous epoch, the longest stay on a group's vPods and the mean
-decode stay per bucket within the window, the inventory and the chips left under each quota. The cluster
+stay per bucket within the window, the inventory and the chips left under each quota. The cluster
 simulator records virtual-time slices, the live controller wall-clock ones; the policy cannot
 tell them apart.
 """

@@ -110,9 +110,10 @@ class Samples:
     # (phase, group) -> the longest a finished request stayed on a vPod of the group (decode:
     # from its first token to its last): how long the group's vPods take to drain
     longest_s: dict[tuple[str, Hashable], float] = field(default_factory=dict)
-    # decode bucket (where the request's predicted tokens were counted) -> [seconds, requests]
-    # of the finished requests' stays from first to last token: how long a slot is held
-    stay_s: dict[int, list] = field(default_factory=dict)
+    # (phase, bucket its tokens were counted at) -> [seconds, requests] of the stays on a
+    # vPod: prefill, the prefill call (input bucket); decode, first to last token (input +
+    # predicted output bucket). How long a request holds a vPod's server or slot.
+    stay_s: dict[tuple[str, int], list] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,7 @@ class Gateway:
         self._waiting: dict[tuple[str, Hashable], int] = {}
         self._wait_peak: dict[tuple[str, Hashable], int] = {}
         self._longest: dict[tuple[str, Hashable], float] = {}
-        self._stay: dict[int, list] = {}
+        self._stay: dict[tuple[str, int], list] = {}
         self._last_sample = _now()
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
@@ -487,9 +488,7 @@ class Gateway:
                 if t_end - f.t_first > self._longest.get(key, 0.0):
                     self._longest[key] = t_end - f.t_first
             if f.est > 1:                  # its decode load was counted at this bucket
-                acc = self._stay.setdefault(self._bucket(f.prompt_tokens + f.est), [0.0, 0])
-                acc[0] += t_end - f.t_first
-                acc[1] += 1
+                self._note_stay("decode", f.prompt_tokens + f.est, t_end - f.t_first)
         if f.finish == "stop" and not f.req.ignore_eos and f.generated > 0:
             self._default_predictor.observe(f.prompt_tokens, f.generated)
             if self.predictor is not self._default_predictor:
@@ -653,6 +652,11 @@ class Gateway:
                 await asyncio.wait_for(ev.wait(), min(deadline - now, 0.5))
             if http_req is not None and http_req.transport is None:
                 raise ClientGone()
+
+    def _note_stay(self, phase: str, length: int, seconds: float) -> None:
+        acc = self._stay.setdefault((phase, self._bucket(length)), [0.0, 0])
+        acc[0] += seconds
+        acc[1] += 1
 
     def _bucket(self, length: int) -> int:
         return min(bisect_left(self.edges, max(1, length)), len(self.edges) - 1)
@@ -912,8 +916,10 @@ class Gateway:
         while True:
             _, ep = await self._pick("prefill", f, excluded, http_req, failover)
             self._acquire(ep, f.prompt_tokens)
+            t_sent = _perf()
             try:
                 data = await self.client.post_json(ep.url + f.path, body)
+                self._note_stay("prefill", f.prompt_tokens, _perf() - t_sent)
                 break
             except UpstreamFailure as e:
                 self._failed(ep, "prefill", e, f)

@@ -271,6 +271,17 @@ class ClusterSim:
         if done:
             self.window.note_duration("prefill", v.group,
                                       max(q.finish_s - q.arrival_s for q in done))
+            stays: dict[int, list] = {}
+            pb = req.pb
+            for q in done:                  # each prompt's time on the vPod, at its bucket
+                acc = stays.get(pb[q.req_id])
+                if acc is None:
+                    stays[pb[q.req_id]] = [q.finish_s - q.arrival_s, 1]
+                else:
+                    acc[0] += q.finish_s - q.arrival_s
+                    acc[1] += 1
+            for b, (x, n) in stays.items():
+                self.window.note_stay("prefill", b, x, n)
         for q in done:
             r = q.req_id
             x, y = inp_l[r], out_l[r]

@@ -194,8 +194,13 @@ def test_short_and_long_requests_land_in_different_groups(pd):
     # and, per decode bucket the load was counted at, the requests' stays (how long a slot is
     # held: the controller averages a bucket's load over it)
     long_b = pd.gw._bucket(count_tokens(PROMPT) + 900)
-    assert sum(n for _, n in s.stay_s.values()) == 3 and s.stay_s[long_b][1] == 1
-    assert s.stay_s[long_b][0] == pytest.approx(s.longest_s[("decode", "L")])
+    dec = {b: v for (ph, b), v in s.stay_s.items() if ph == "decode"}
+    pre = {b: v for (ph, b), v in s.stay_s.items() if ph == "prefill"}
+    assert sum(n for _, n in dec.values()) == 3 and dec[long_b][1] == 1
+    assert dec[long_b][0] == pytest.approx(s.longest_s[("decode", "L")])
+    # each prefill call's time, at the prompt's bucket
+    assert pre[pd.gw._bucket(count_tokens(PROMPT))][1] == 2
+    assert pre[pd.gw._bucket(count_tokens(long_prompt))][1] == 1
     assert all(x > 0 for x, _ in s.stay_s.values())
     again = pd.lt.call(pd.gw.take_samples)
     assert again.longest_s == {} and again.stay_s == {}     # reset with the sample
