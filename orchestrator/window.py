@@ -66,8 +66,9 @@ class ObservationWindow:
             cur[group] = seconds
 
     def note_stay(self, phase: str, bucket: int, seconds: float, requests: int = 1) -> None:
-        """``requests`` requests whose load was counted at ``bucket`` held a vPod's slot for
-        ``seconds`` in all (decode: from joining a vPod to the last token)."""
+        """``requests`` requests whose load was counted at ``bucket`` held a vPod's server or
+        slot for ``seconds`` in all (prefill: the prompt; decode: from joining a vPod to the
+        last token)."""
         cur = self._stays[phase][-1]
         acc = cur.get(bucket)
         if acc is None:

@@ -271,17 +271,9 @@ class ClusterSim:
         if done:
             self.window.note_duration("prefill", v.group,
                                       max(q.finish_s - q.arrival_s for q in done))
-            stays: dict[int, list] = {}
-            pb = req.pb
-            for q in done:                  # each prompt's time on the vPod, at its bucket
-                acc = stays.get(pb[q.req_id])
-                if acc is None:
-                    stays[pb[q.req_id]] = [q.finish_s - q.arrival_s, 1]
-                else:
-                    acc[0] += q.finish_s - q.arrival_s
-                    acc[1] += 1
-            for b, (x, n) in stays.items():
-                self.window.note_stay("prefill", b, x, n)
+            pb = req.pb                     # each prompt's time on the vPod, at its bucket
+            self._note_stays("prefill", ((pb[q.req_id], q.finish_s - q.arrival_s)
+                                         for q in done))
         for q in done:
             r = q.req_id
             x, y = inp_l[r], out_l[r]
@@ -322,7 +314,7 @@ class ClusterSim:
         if done:                                  # how long this group's vPods take to drain
             self.window.note_duration("decode", v.group,
                                       max(q.finish_s - q.arrival_s for q in done))
-            self._note_stays(v.group, done)
+            self._note_stays("decode", self._decode_stays(v.group, done))
         for q in done:
             r = q.req_id
             v.outstanding -= q.output_tokens
@@ -341,27 +333,32 @@ class ClusterSim:
             req.tpot[r] = (q.finish_s - req.dec_start[r]) / (req.out_l[r] - 1)
             req.dec_end[r] = q.finish_s
 
-    def _note_stays(self, g: str, done: list) -> None:
+    def _note_stays(self, phase: str, stays) -> None:
+        """(bucket, seconds on a vPod) per finished request, into the window (summed per
+        bucket first: one call per bucket and engine advance)."""
+        acc: dict[int, list] = {}
+        for b, x in stays:
+            a = acc.get(b)
+            if a is None:
+                acc[b] = [x, 1]
+            else:
+                a[0] += x
+                a[1] += 1
+        for b, (x, n) in acc.items():
+            self.window.note_stay(phase, int(b), x, n)
+
+    def _decode_stays(self, g: str, done: list):
         """Each finished segment's time on a vPod of ``g``, at the bucket its tokens were
-        counted at (:meth:`_observe_decode`): how long the group's requests hold a slot."""
+        counted at (:meth:`_observe_decode`)."""
         table, tb = self._routing["decode"], self.req.tb
-        stays: dict[int, list] = {}
-        routed = self.cfg.observe_routed and table is not None
-        if routed:
-            groups = table.groups
-            own = table.bucket(table.best_len[g]) if g in table.best_len else None
+        own = None
+        if self.cfg.observe_routed and table is not None and g in table.best_len:
+            own = table.bucket(table.best_len[g])
         for q in done:
             b = tb[q.req_id]
-            if routed and groups[b] != g and own is not None:
+            if own is not None and table.groups[b] != g:
                 b = own
-            acc = stays.get(b)
-            if acc is None:
-                stays[b] = [q.finish_s - q.arrival_s, 1]
-            else:
-                acc[0] += q.finish_s - q.arrival_s
-                acc[1] += 1
-        for b, (x, n) in stays.items():
-            self.window.note_stay("decode", int(b), x, n)
+            yield b, q.finish_s - q.arrival_s
 
     def _draw(self) -> float:
         """A uniform for a routing decision (drawn in blocks of 4096)."""
