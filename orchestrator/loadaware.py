@@ -119,11 +119,11 @@ class LoadAwarePolicy(Policy):
             return series
         for i, s in series.items():
             k = int(round(obs.bucket_stay_s.get(i, 0.0) / self.cfg.sample_s))
-            if k >= 2 and len(s) >= 2:
+            if k >= 2 and len(s) >= 2:      # trailing means (fewer samples at the start)
                 c = np.concatenate(([0.0], np.cumsum(s)))
-                n = np.minimum(np.arange(1, len(s) + 1), k)
-                idx = np.arange(1, len(s) + 1)
-                series[i] = (c[idx] - c[idx - n]) / n
+                end = np.arange(1, len(s) + 1)
+                n = np.minimum(end, k)
+                series[i] = (c[end] - c[end - n]) / n
         return series
 
     def slack(self, costs: list, buckets: list[int]) -> float:

@@ -334,18 +334,10 @@ class ClusterSim:
             req.dec_end[r] = q.finish_s
 
     def _note_stays(self, phase: str, stays) -> None:
-        """(bucket, seconds on a vPod) per finished request, into the window (summed per
-        bucket first: one call per bucket and engine advance)."""
-        acc: dict[int, list] = {}
+        """(bucket, seconds on a vPod) per finished request, into the window."""
+        note = self.window.note_stay
         for b, x in stays:
-            a = acc.get(b)
-            if a is None:
-                acc[b] = [x, 1]
-            else:
-                a[0] += x
-                a[1] += 1
-        for b, (x, n) in acc.items():
-            self.window.note_stay(phase, int(b), x, n)
+            note(phase, int(b), x)
 
     def _decode_stays(self, g: str, done: list):
         """Each finished segment's time on a vPod of ``g``, at the bucket its tokens were
