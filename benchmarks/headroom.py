@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse import load_model  # noqa: E402
+from dse.errors import NeuScaleError  # noqa: E402
 from orchestrator import loadaware, pricing  # noqa: E402
 from orchestrator.cluster import ClusterConfig, ClusterSim  # noqa: E402
 from orchestrator.cluster.accounting import ideal_at_load_report  # noqa: E402
@@ -79,12 +80,23 @@ def main() -> None:
     ap.add_argument("--start", default="12:00")
     ap.add_argument("--hours", type=float, default=2.0)
     args = ap.parse_args()
+    rows = args.rows.split(",")
+    for row in rows:
+        parts = row.split(":")
+        if len(parts) != 4 or parts[2] not in ("energy", "cost") \
+                or parts[3] not in ("prefill", "decode"):
+            ap.error(f"--rows: {row!r} is not model:trace:{{energy|cost}}:{{prefill|decode}}")
+    if not args.hours > 0:
+        ap.error("--hours must be > 0")
     print(f"| row ({args.hours:g} h from {args.start}) | as-is: of Ideal-at-load | SLO | "
           "no headroom: of Ideal-at-load | SLO |")
     print("|---|---|---|---|---|")
-    for row in args.rows.split(","):
-        _, f0, s0 = run(row, "as-is", args.start, args.hours)
-        _, f1, s1 = run(row, "no-headroom", args.start, args.hours)
+    for row in rows:
+        try:
+            _, f0, s0 = run(row, "as-is", args.start, args.hours)
+            _, f1, s1 = run(row, "no-headroom", args.start, args.hours)
+        except NeuScaleError as e:
+            sys.exit(f"error: {row}: {e}")
         print(f"| {row} | {f0:.2f} | {s0:.1%} | {f1:.2f} | {s1:.1%} |", flush=True)
 
 
