@@ -162,6 +162,8 @@ class Controller:
             if info is None or info.state == VPodState.RELEASED:
                 self._forget(row, "not found in the backend on restart")
                 continue
+            self._event("adopt", vid, f"on restart: {info.state} in the backend, "
+                        f"{row.state} in the state")
             if row.state == VPodState.DRAINING:
                 self._spawn(self._drain_and_delete(row))
             elif info.state == VPodState.READY:
