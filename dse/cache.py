@@ -29,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: no locking (single-writer use only)
     fcntl = None
 
-CACHE_KINDS = ("xla-costs", "stepcost", "db")
+CACHE_KINDS = ("xla-costs", "stepcost", "db", "embeddings")
 
 
 def cache_root() -> Path:

@@ -52,7 +52,7 @@ class ServeConfig:
     keep_vpods: bool = False            # on a clean stop, leave the vPods (and sim cloud) up
     chip_files: tuple[str, ...] = ()
     wait_for_vpod_s: float = 30.0
-    predictor: str = "median"           # output-length predictor: median | fixed:N
+    predictor: str = "auto"             # output-length predictor: auto | bert[:DIR] | median | fixed:N
     policy_name: str = "neuscale"       # neuscale (load-aware) | neuscale-paper
     policy: Mapping[str, Any] = field(default_factory=dict)   # PolicyConfig fields to override
     bootstrap: bool = True              # start one vPod per phase before the first request
@@ -149,7 +149,8 @@ class Service:
         max_context = min(self.arch.max_context or self.db.edges[-1], self.db.edges[-1])
         from router.predict import make_predictor
         try:
-            predictor = make_predictor(cfg.predictor, self.db.edges)
+            predictor = make_predictor(cfg.predictor, self.db.edges,
+                                       serving_model=self.arch.name)
         except ValueError as e:
             raise NeuScaleError(f"--predictor: {e}") from None
         self.gateway = Gateway(self.arch.name, self.db.edges, max_context, api_key=api_key,

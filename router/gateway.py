@@ -147,7 +147,7 @@ class _Flight:
 
     __slots__ = ("req", "path", "prompt_tokens", "max_tokens", "min_tokens", "est", "generated",
                  "engine_prompt", "group", "kv", "base", "t0", "t_first", "finish", "opened",
-                 "migrations", "failovers")
+                 "migrations", "failovers", "est0", "group0")
 
     def __init__(self, req: ParsedRequest, prompt_tokens: int, max_tokens: int, est: int,
                  t0: float):
@@ -157,6 +157,8 @@ class _Flight:
         self.max_tokens = max_tokens
         self.min_tokens = min(req.min_tokens, max_tokens)
         self.est = est
+        self.est0 = est                           # the prediction that chose the first group
+        self.group0: Hashable | None = None      # the decode group that prediction chose
         self.generated = 0
         self.engine_prompt: int | None = None
         self.group: Hashable | None = None
@@ -223,6 +225,23 @@ class GatewayMetrics:
         self.errors = Counter("neuscale_errors", "Errors by kind", ["kind"], registry=r)
         self.fallbacks = Counter("neuscale_predictor_fallbacks", "Predictions the configured "
                                  "predictor failed to give (the default answered)", registry=r)
+        self.predictor = Gauge("neuscale_predictor_active", "The output-length predictor "
+                               "answering (1) and the one configured", ["predictor", "configured"],
+                               registry=r)
+        pl = ["group"]
+        self.pred_requests = Counter("neuscale_prediction_requests", "Requests that ended on "
+                                     "their own, by the decode group their first prediction chose",
+                                     pl, registry=r)
+        self.pred_tokens = Counter("neuscale_predicted_output_tokens", "First predicted output "
+                                   "tokens of those requests", pl, registry=r)
+        self.actual_tokens = Counter("neuscale_actual_output_tokens", "Actual output tokens of "
+                                     "those requests", pl, registry=r)
+        self.abs_error = Counter("neuscale_prediction_abs_error_tokens", "Sum of |predicted - "
+                                 "actual| output tokens of those requests", pl, registry=r)
+        self.bucket_hits = Counter("neuscale_prediction_bucket_hits", "Those requests whose "
+                                   "predicted output fell in the bucket of the actual output",
+                                   pl, registry=r)
+        self._pred: dict[str, tuple] = {}
         self.in_flight = Gauge("neuscale_requests_in_flight", "Requests being served",
                                registry=r)
         self.waiting = Gauge("neuscale_requests_waiting", "Requests waiting for a vPod",
@@ -242,6 +261,21 @@ class GatewayMetrics:
         if c is None:
             c = self._req[(endpoint, status)] = self.requests.labels(endpoint, str(status))
         c.inc()
+
+    def prediction(self, group: Hashable, predicted: int, actual: int, hit: bool) -> None:
+        """Predicted against actual output length of a request that ended on its own."""
+        key = str(group)
+        c = self._pred.get(key)
+        if c is None:
+            c = self._pred[key] = (self.pred_requests.labels(key), self.pred_tokens.labels(key),
+                                   self.actual_tokens.labels(key), self.abs_error.labels(key),
+                                   self.bucket_hits.labels(key))
+        c[0].inc()
+        c[1].inc(predicted)
+        c[2].inc(actual)
+        c[3].inc(abs(predicted - actual))
+        if hit:
+            c[4].inc()
 
     def error(self, kind: str) -> None:
         c = self._err.get(kind)
@@ -287,6 +321,10 @@ class Gateway:
         self.client = EngineClient(connect_timeout_s=connect_timeout_s,
                                    read_timeout_s=upstream_timeout_s)
         self.metrics = GatewayMetrics()
+        active = self.predictor
+        self.metrics.predictor.labels(
+            getattr(active, "name", type(active).__name__),
+            getattr(active, "configured", getattr(active, "name", type(active).__name__))).set(1)
         self.status_provider: Callable[[], dict] | None = None
         # called with a record of every answered request (the served-request log)
         self.on_request_done: Callable[[dict[str, Any]], None] | None = None
@@ -490,6 +528,9 @@ class Gateway:
             if f.est > 1:                  # its decode load was counted at this bucket
                 self._note_stay("decode", f.prompt_tokens + f.est, t_end - f.t_first)
         if f.finish == "stop" and not f.req.ignore_eos and f.generated > 0:
+            if f.group0 is not None:
+                m.prediction(f.group0, f.est0, f.generated,
+                             self._bucket(f.est0) == self._bucket(f.generated))
             self._default_predictor.observe(f.prompt_tokens, f.generated)
             if self.predictor is not self._default_predictor:
                 try:
@@ -512,7 +553,7 @@ class Gateway:
             self.on_request_done({
                 "id": f"{id(f):x}-{int(time.time() * 1e6):x}", "t": time.time(),
                 "endpoint": kind, "status": status, "prompt_tokens": f.prompt_tokens,
-                "output_tokens": f.generated, "predicted_tokens": f.est,
+                "output_tokens": f.generated, "predicted_tokens": f.est0,
                 "prefill_group": None, "decode_group": None if f.group is None else str(f.group),
                 "migrations": f.migrations, "ttft_s": ttft, "tpot_s": tpot,
                 "e2e_s": t_end - f.t0, "finish_reason": f.finish, "prompt": f.req.prompt})
@@ -797,6 +838,8 @@ class Gateway:
         while True:
             group, ep = await self._pick("decode", f, excluded, http_req, failover)
             f.group = group
+            if f.group0 is None:
+                f.group0 = group
             body = f.body(stream=True, max_tokens=f.max_tokens, kv=f.decode_kv())
             load = max(f.est - f.generated, 1)
             self._acquire(ep, load)

@@ -27,10 +27,13 @@ has produced (the length it has reached is the best guess of the length still to
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
+import logging
 from collections import deque
 from typing import Any, Awaitable, Protocol, runtime_checkable
 
 from dse.buckets import SEQ_BUCKETS
+
+log = logging.getLogger("neuscale.router")
 
 
 @runtime_checkable
@@ -45,6 +48,8 @@ class LengthPredictor(Protocol):
 
 class MedianPredictor:
     """Per-input-bucket running median of served output lengths, with a prior."""
+
+    name = "median"
 
     def __init__(self, edges: tuple[int, ...] = SEQ_BUCKETS, *, prior_tokens: int = 128,
                  window: int = 256, min_samples: int = 8):
@@ -91,6 +96,8 @@ class FixedPredictor:
     """Every new request is predicted ``tokens`` long; a running one, one more token than it
     has (no information beyond its length). For experiments: ``--predictor fixed:N``."""
 
+    name = "fixed"
+
     def __init__(self, tokens: int):
         if tokens < 1:
             raise ValueError("a fixed prediction must be >= 1 token")
@@ -106,13 +113,23 @@ class FixedPredictor:
         pass
 
 
-PREDICTORS = ("median", "fixed:N")
+PREDICTORS = ("auto", "bert", "bert:MODEL_DIR", "median", "fixed:N")
 
 
-def make_predictor(spec: str, edges: tuple[int, ...] = SEQ_BUCKETS) -> LengthPredictor:
-    """``median`` (the default, :class:`MedianPredictor`) or ``fixed:N``; ValueError naming the
-    choices otherwise."""
-    s = str(spec).strip().lower()
+def make_predictor(spec: str, edges: tuple[int, ...] = SEQ_BUCKETS, *,
+                   serving_model: str | None = None) -> LengthPredictor:
+    """A predictor from its name:
+
+    * ``bert`` / ``bert:MODEL_DIR``: the BERT-family predictor of ``predictor/`` (the model
+      shipped in the package, or a trained directory); an error if it cannot load;
+    * ``auto`` (the default of ``orchestrator serve``): ``bert`` when its dependencies and model
+      load, else :class:`MedianPredictor` — the fallback is logged and shows in ``/metrics``
+      (``neuscale_predictor_active{predictor="median",configured="bert"}``);
+    * ``median``, ``fixed:N``.
+
+    ValueError naming the choices (or why ``bert`` cannot load) otherwise."""
+    raw = str(spec).strip()
+    s = raw.lower()
     if s == "median":
         return MedianPredictor(edges)
     if s.startswith("fixed:"):
@@ -120,4 +137,19 @@ def make_predictor(spec: str, edges: tuple[int, ...] = SEQ_BUCKETS) -> LengthPre
             return FixedPredictor(int(s.split(":", 1)[1]))
         except ValueError:
             pass
+    if s in ("auto", "bert") or s.startswith("bert:"):
+        model_dir = raw.split(":", 1)[1] if s.startswith("bert:") else None
+        try:
+            from predictor.service import BertPredictor
+            return BertPredictor(model_dir=model_dir or None, edges=tuple(edges),
+                                 serving_model=serving_model)
+        except Exception as e:  # noqa: BLE001 - a missing dependency, model or encoder
+            if s != "auto":
+                raise ValueError(f"the BERT predictor cannot load: {e}") from None
+            fb = MedianPredictor(edges)
+            fb.configured = "bert"                # type: ignore[attr-defined]
+            fb.fallback_reason = str(e)           # type: ignore[attr-defined]
+            log.warning("output-length predictor: BERT unavailable (%s); using the per-input "
+                        "median", e)
+            return fb
     raise ValueError(f"unknown predictor {spec!r}; known: {', '.join(PREDICTORS)}")

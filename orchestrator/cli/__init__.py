@@ -5,6 +5,7 @@
     orchestrator simulate ...  trace replay through the autoscaling policies   (cli/simulate.py)
     orchestrator serve ...     the live stack: OpenAI gateway + controller      (cli/serve.py)
     orchestrator status        what a running `serve` is doing                  (cli/serve.py)
+    orchestrator predictor ... the output-length predictor: train, eval, predict (cli/predictor.py)
 
 Every error a user can cause ends in one line ``error: ...`` on stderr and exit status 2.
 """
@@ -16,10 +17,10 @@ from typing import Sequence
 
 from dse.errors import NeuScaleError
 
-from . import dse, serve, sim, simulate
+from . import dse, predictor, serve, sim, simulate
 from .common import Parser
 
-GROUPS = (serve, dse, sim, simulate)
+GROUPS = (serve, dse, sim, simulate, predictor)
 
 
 def build_parser() -> Parser:

