@@ -83,8 +83,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if missing:
             raise NeuScaleError(f"--chip-mix: the best-fit database has no {', '.join(missing)} "
                                 f"(it has {', '.join(db.chips)})")
+    args.confusion, prediction = _prediction(args, db)
     out: dict = {"model": arch.name, "metric": db.meta["metric"], "trace": tr.summary(),
-                 "trace_note": tr.note, "policies": {}}
+                 "trace_note": tr.note, "prediction": prediction, "policies": {}}
     trace = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens), np.asarray(tr.output_tokens))
     runs = {}
     for name in names:
@@ -100,6 +101,34 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         _print_table(args, arch.name, out)
     return 0
+
+
+def _prediction(args, db):
+    """(the Confusion to replay or None, how output lengths are predicted, in words)."""
+    import numpy as np
+
+    from ..cluster import ClusterConfig, Confusion
+    if args.predictor is None:
+        if args.accuracy is None:
+            args.accuracy = ClusterConfig.accuracy
+        return None, f"accuracy {args.accuracy:g}"
+    if args.accuracy is not None:
+        raise NeuScaleError("--predictor replays a trained model's measured accuracy; drop "
+                            "--accuracy (or --predictor)")
+    from predictor.model import LengthModel
+    from predictor.train import confusion_matrix
+    m = LengthModel.load(None if args.predictor == "default" else args.predictor,
+                         edges=tuple(db.edges))
+    ev = m.manifest.get("eval") or {}
+    mat = confusion_matrix(ev, len(m.edges))
+    if mat.sum() == 0:
+        raise NeuScaleError(f"the predictor at {args.predictor!r} has no held-out evaluation "
+                            "(confusion matrix); retrain it with test data")
+    args.accuracy = ClusterConfig.accuracy         # unused in this mode
+    acc = float(np.trace(mat) / mat.sum())
+    label = (f"predictor {args.predictor} (held-out bucket accuracy {acc:.1%} on "
+             f"{int(mat.sum()):,} answers)")
+    return Confusion.from_counts(m.edges, mat, m.bucket_median, label), label
 
 
 def _database(args, arch, cat):
@@ -147,6 +176,7 @@ def _run_policy(args, name: str, arch, db, cat, trace, quotas, phase_chips, fail
         return {ph: r.to_json() for ph, r in rep.items()}, extra, None
     pcfg = PolicyConfig(failover_chips=failover)
     cfg = ClusterConfig(policy=pcfg, accuracy=args.accuracy, quotas=quotas, seed=args.seed,
+                        confusion=args.confusion,
                         observe_routed=args.observe == "routed",
                         max_span_s=args.max_span * 3600.0)
     sim = ClusterSim(arch, db, make_policies(name, db, pcfg, inp, out_t, phase_chips, cat,
@@ -265,9 +295,14 @@ def add_parser(sub) -> None:
                     help="where the policy sees a mispredicted request's decode load: at the "
                     "length its group serves (routed, as the live gateway sees it) or at its "
                     "true length (how earlier versions observed) (default %(default)s)")
-    sm.add_argument("--accuracy", type=fraction("--accuracy"), default=cluster.accuracy,
+    sm.add_argument("--accuracy", type=fraction("--accuracy"), default=None,
                     help=f"output-length prediction accuracy (default {cluster.accuracy:g}, "
                          "§5.1)")
+    sm.add_argument("--predictor", metavar="MODEL_DIR",
+                    help="instead of --accuracy, replay a trained length predictor's confusion "
+                         "matrix measured on held-out prompts (orchestrator predictor train "
+                         "--out MODEL_DIR; 'default' for the shipped one): each request's "
+                         "predicted bucket is drawn from the row of its true one")
     sm.add_argument("--slo-scale", type=positive_float("--slo-scale"),
                     help=f"of the default database (default {build.slo_scale:g}); with --db the "
                          "database's own, which an explicit --slo-scale must match")

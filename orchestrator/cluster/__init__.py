@@ -8,7 +8,7 @@ Ideal oracle, ``report`` the plots.
 from .accounting import (Migration, PhaseReport, SimResult, ideal_at_load_report, ideal_report,
                          ratios_vs_base)
 from .fleet import Fleet, SimVPod
-from .simulator import ClusterConfig, ClusterSim
+from .simulator import ClusterConfig, ClusterSim, Confusion
 
-__all__ = ["ClusterConfig", "ClusterSim", "Fleet", "Migration", "PhaseReport", "SimResult",
+__all__ = ["ClusterConfig", "ClusterSim", "Confusion", "Fleet", "Migration", "PhaseReport", "SimResult",
            "SimVPod", "ideal_at_load_report", "ideal_report", "ratios_vs_base"]

@@ -18,6 +18,8 @@ acts 2-5 s later (Table 3's statistics query) and make-before-break
 
 Output-length prediction (§5.1): with probability ``accuracy`` a request is routed to the decode
 group of its true total length, else to a random group whose best-fit length is not shorter.
+With a :class:`Confusion` (``orchestrator simulate --predictor MODEL_DIR``) the prediction is
+drawn instead from a real predictor's confusion matrix measured on held-out prompts.
 """
 
 from __future__ import annotations
@@ -48,10 +50,74 @@ from .fleet import Alloc, Fleet, SimVPod, load
 PHASES = ("prefill", "decode")
 
 
+@dataclass(frozen=True, eq=False)
+class Confusion:
+    """A predictor's measured confusion over output-length buckets, replayed per request.
+
+    ``counts[t, j]``: held-out answers of output bucket ``t`` the predictor put in bucket ``j``
+    (bucket ``k`` holds lengths in ``(edges[k-1], edges[k]]``). A request of true output bucket
+    ``t`` is predicted bucket ``j`` with probability ``counts[t, j] / sum_j counts[t, j]``; a
+    bucket no held-out answer fell in borrows the row of the nearest one that has answers,
+    shifted by the distance (an answer one bucket longer is predicted one bucket longer: the
+    error in buckets is what carries over). The predicted length is ``rep_tokens[j]`` (the
+    training answers' median in that bucket, else its middle). A re-prediction after ``g``
+    generated tokens draws from the same row restricted to buckets ending above ``g``, as the
+    predictor's own conditional median does; nothing left there means it says nothing beyond
+    the current length."""
+    edges: tuple[int, ...]
+    counts: np.ndarray
+    rep_tokens: np.ndarray
+    label: str = ""
+
+    @classmethod
+    def from_counts(cls, edges, counts, bucket_median=None, label: str = "") -> "Confusion":
+        edges = tuple(int(e) for e in edges)
+        K = len(edges)
+        c = np.asarray(counts, dtype=np.float64)
+        if c.shape != (K, K) or not np.isfinite(c).all() or (c < 0).any() or c.sum() <= 0:
+            raise NeuScaleError(f"a confusion matrix must be {K}x{K} non-negative counts with "
+                                "at least one answer")
+        have = np.nonzero(c.sum(axis=1) > 0)[0]
+        rows = np.zeros_like(c)
+        for t in range(K):
+            r = have[np.argmin(np.abs(have - t))]
+            shift = t - r
+            for j in np.nonzero(c[r])[0]:
+                rows[t, min(max(j + shift, 0), K - 1)] += c[r, j]
+        lo = np.array([0.0, *edges[:-1]])
+        hi = np.array(edges, dtype=np.float64)
+        rep = np.floor((lo + hi) / 2.0) + 1.0
+        if bucket_median is not None:
+            med = np.asarray(bucket_median, dtype=np.float64)
+            ok = np.isfinite(med) & (med > lo) & (med <= hi)
+            rep[ok] = np.round(med[ok])
+        return cls(edges, rows / rows.sum(axis=1, keepdims=True), rep, label)
+
+    def draw(self, out: int, u: float, above: int = 0) -> int | None:
+        """Predicted output tokens for a request of ``out`` output tokens (``u`` uniform), given
+        more than ``above`` generated; None when the row has no bucket ending above it."""
+        t = min(bisect_left(self.edges, max(1, out)), len(self.edges) - 1)
+        row = self.counts[t]
+        if above > 0:
+            k0 = bisect_left(self.edges, above + 1)
+            if k0 >= len(row):
+                return None
+            tail = row[k0:]
+            tot = tail.sum()
+            if tot <= 0:
+                return None
+            j = k0 + min(int(np.searchsorted(np.cumsum(tail), u * tot, side="right")),
+                         len(tail) - 1)
+            return max(int(self.rep_tokens[j]), above + 1)
+        j = min(int(np.searchsorted(np.cumsum(row), u * row.sum(), side="right")), len(row) - 1)
+        return int(self.rep_tokens[j])
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     accuracy: float = 0.6        # §5.1: output-length prediction accuracy
+    confusion: Confusion | None = None   # a real predictor's measured confusion (replaces it)
     quotas: Mapping[str, int] = field(default_factory=dict)   # chips per version; absent: no limit
     seed: int = 0
     max_batched_tokens: int = 8192
@@ -372,7 +438,10 @@ class ClusterSim:
         total = inp + out
         g = table.group_for_length(total)
         acc = self.cfg.accuracy
-        if self._draw() >= acc:
+        conf = self.cfg.confusion
+        if conf is not None:
+            g = table.group_for_length(inp + conf.draw(out, self._draw()))
+        elif self._draw() >= acc:
             cands = self._cands
             lo = bisect_left(cands, (inp + 1,))
             if lo < len(cands):
@@ -382,7 +451,11 @@ class ClusterSim:
         segs = []
         length = table.next_boundary(inp + 1)      # it decodes from inp + 1 tokens on
         while length is not None and length < total:          # enters the next bucket
-            est = total if self.rng.random() < acc else length
+            if conf is not None:
+                e = conf.draw(out, self.rng.random(), above=length - inp)
+                est = length if e is None else max(inp + e, length + 1)
+            else:
+                est = total if self.rng.random() < acc else length
             tgt = should_migrate(table, g, length, est)
             if tgt is not None and tgt != g:
                 segs.append((g, length - inp))
