@@ -145,7 +145,7 @@ class LengthModel:
                    families=fams, manifest=man, encoder=encoder, bucket_median=med,
                    embed_dim=emb_dim)
 
-    def attach_encoder(self, model_dir=None, runtime: str = "torch"):
+    def attach_encoder(self, model_dir=None, runtime: str = "auto"):
         from .encoder import Encoder
         enc = Encoder(model_dir, runtime=runtime, max_tokens=self.max_tokens)
         if enc.name != self.encoder_name:

@@ -2,9 +2,11 @@
 
 :class:`BertPredictor` answers the router's length-predictor protocol
 (:class:`router.predict.LengthPredictor`: ``predict``, ``repredict``, ``observe``) with
-awaitables. Concurrent requests share one encoder forward pass: the first request of an empty
-queue waits at most ``max_wait_s`` for others (up to ``max_batch``), the batch runs in one worker
-thread off the event loop, and requests arriving meanwhile form the next batch.
+awaitables. Requests that arrive together are encoded together: the worker takes up to
+``max_batch`` queued requests (after waiting ``max_wait_s`` for more, 0 by default: what queued
+while it was busy is the batch), encodes them in one worker thread off the event loop — prompts
+of similar length share a forward pass (:meth:`predictor.encoder.Encoder.encode`) — and the
+requests arriving meanwhile form the next batch.
 
 It never makes the router queue behind it. A request is refused at once (the gateway then asks
 its cheap per-input-length median instead and counts a fallback in ``/metrics``) when
@@ -40,8 +42,8 @@ class BertPredictor:
 
     def __init__(self, model: LengthModel | None = None, *, model_dir: str | Path | None = None,
                  edges: tuple[int, ...] | None = None, serving_model: str | None = None,
-                 encoder_dir: str | Path | None = None, runtime: str = "torch",
-                 max_batch: int = 32, max_wait_s: float = 0.002, max_queue: int = 256,
+                 encoder_dir: str | Path | None = None, runtime: str = "auto",
+                 max_batch: int = 32, max_wait_s: float = 0.0, max_queue: int = 256,
                  timeout_s: float = 0.5, cache_size: int = 8192):
         if model is None:
             model = LengthModel.load(model_dir, edges=edges)

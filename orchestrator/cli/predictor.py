@@ -197,7 +197,8 @@ def add_parser(sub) -> None:
                                    "per-input-length median. On a file the model was trained "
                                    "on, only its held-out prompts count.")
     ev.add_argument("--data", metavar="FILE.jsonl[,FILE2]", required=True)
-    ev.add_argument("--runtime", choices=["torch", "onnx"], default="torch")
+    ev.add_argument("--runtime", choices=["auto", "torch", "onnx"], default="auto",
+                    help="encoder runtime (default auto: ONNX Runtime when installed)")
     common(ev)
     ev.set_defaults(func=cmd_eval)
 
@@ -212,7 +213,8 @@ def add_parser(sub) -> None:
                     help="the prompt's token count (default: the gateway's estimate)")
     pp.add_argument("--serving-model", help="the served model's name (its family conditions "
                                             "the prediction, e.g. llama3-8b)")
-    pp.add_argument("--runtime", choices=["torch", "onnx"], default="torch")
+    pp.add_argument("--runtime", choices=["auto", "torch", "onnx"], default="auto",
+                    help="encoder runtime (default auto: ONNX Runtime when installed)")
     common(pp)
     pp.set_defaults(func=cmd_predict)
 

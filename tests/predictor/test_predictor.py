@@ -328,3 +328,17 @@ def test_served_log_round_trip_trains(tmp_path, slice_files):
 def test_pair_defaults():
     p = Pair("hello", 1, 2)
     assert p.family is None and not p.censored
+
+
+def test_onnx_runtime_agrees_with_torch():
+    """The ONNX graph is exported from the torch model once and gives the same embeddings."""
+    from predictor.encoder import Encoder
+    texts = ["A short one.", "Write a long essay about the history of the printing press, "
+             "its inventors, and its effect on literacy in Europe." * 3]
+    t = Encoder(runtime="torch")
+    o = Encoder(runtime="onnx")
+    assert o.runtime == "onnx" and t.runtime == "torch" and o.name == t.name
+    assert np.abs(t.encode(texts) - o.encode(texts)).max() < 1e-4
+    assert Encoder().runtime == "onnx"          # auto takes ONNX Runtime when installed
+    with pytest.raises(NeuScaleError, match="unknown encoder runtime"):
+        Encoder(runtime="tpu")
