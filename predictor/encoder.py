@@ -41,10 +41,9 @@ def default_encoder_dir() -> Path | None:
 
 
 def _missing_deps() -> str | None:
+    import importlib.util
     for mod in ("torch", "transformers"):
-        try:
-            __import__(mod)
-        except ImportError:
+        if importlib.util.find_spec(mod) is None:
             return mod
     return None
 
