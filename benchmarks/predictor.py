@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse.errors import NeuScaleError  # noqa: E402
 
-PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 
 
 def pct(xs, q):
@@ -39,6 +38,8 @@ def pct(xs, q):
 
 def sample_prompts(n: int, seed: int = 0) -> list[tuple[str, int]]:
     from predictor.data import load_jsonl
+    from sim.traces import data_dir
+    PROMPTS = data_dir() / "prompts"
     pairs = []
     for f in ("arena_prompts_multi_llm.jsonl", "gpteacher_gpt4.jsonl"):
         pairs += load_jsonl(PROMPTS / f)

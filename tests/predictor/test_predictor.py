@@ -20,9 +20,10 @@ from dse.errors import NeuScaleError
 from predictor.data import Pair, family_of, in_test, load_jsonl, load_log, split
 from predictor.head import bucket_of, target_masks, train_head
 from predictor.model import LengthModel, default_model_dir
+from sim.traces import data_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-PROMPTS = ROOT.parent / "shared" / "data" / "prompts"
+PROMPTS = data_dir() / "prompts"
 ARENA = PROMPTS / "arena_prompts_multi_llm.jsonl"
 TEACHER = PROMPTS / "gpteacher_gpt4.jsonl"
 
