@@ -59,6 +59,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -899,19 +900,33 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m backends.sim.engine_server",
                                  description="One simulated vLLM engine server (a vPod's "
                                              "engines on the chip model, in real time).")
+    env = os.environ
     ap.add_argument("--model", default="llama3-8b", help="preset or config.json path")
     ap.add_argument("--served-model-name", default=None)
-    ap.add_argument("--chip", default="v6e")
-    ap.add_argument("--topology", default="1x1")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
+    # chip, topology and phase default to what a remote backend puts in the engine's
+    # environment (backends.engine.engine_env), so the same vLLM command line starts this
+    # stand-in on an SSH host (engine.command: [python3, -m, backends.sim.engine_server,
+    # --model])
+    ap.add_argument("--chip", default=env.get("NEUSCALE_CHIP", "v6e"))
+    ap.add_argument("--topology", default=env.get("NEUSCALE_TOPOLOGY", "1x1"))
+    ap.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    ap.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--phase", choices=("prefill", "decode"), default="decode")
+    ap.add_argument("--data-parallel-size", dest="dp", type=int, default=None,
+                    help="vLLM's flag for an expert-parallel vPod: ep = this, and "
+                         "--max-num-seqs is per rank")
+    ap.add_argument("--phase", choices=("prefill", "decode"),
+                    default=env.get("NEUSCALE_PHASE", "decode"))
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--host", default="127.0.0.1", help="listen address")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--url-file", default=None, help="write the URL here once listening")
+    # vLLM flags a remote backend passes that mean nothing here
+    for flag in ("--download-dir", "--dtype", "--distributed-executor-backend"):
+        ap.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--enable-expert-parallel", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
@@ -919,13 +934,16 @@ async def _main_async(args: argparse.Namespace) -> None:
     from dse.files import write_atomic
     catalog = default_catalog()
     arch = load_model(args.model)
+    if args.dp:
+        args.ep, args.max_num_seqs = args.dp, args.max_num_seqs * args.dp
     table = step_cost_table(arch, catalog, args.chip, args.topology, args.tp, args.pp, args.ep)
     chip = catalog.get(args.chip)
     srv = EngineServer(served_model=args.served_model_name or args.model, arch=arch,
                        table=table, phase=args.phase, max_batch=args.max_num_seqs, pp=args.pp,
                        max_model_len=args.max_model_len or arch.max_context or 8192,
                        max_batched_tokens=args.max_num_batched_tokens,
-                       dcn_bytes_per_s=chip.dcn_bw_bytes_per_s * table.num_chips)
+                       dcn_bytes_per_s=chip.dcn_bw_bytes_per_s * table.num_chips,
+                       host=args.host)
     await srv.start(args.port)
     gc.freeze()                 # start-up objects out of the collector's way (shorter pauses)
     stop = asyncio.Event()
