@@ -123,13 +123,7 @@ class Controller:
     def _bootstrap(self) -> None:
         """One 10-s sample of 1 token/s in the buckets of a typical request, and a plan: one
         vPod per phase starts now."""
-        from router.routing import bucket_indices
-        import numpy as np
-        nb = len(self.db.edges)
-        for ph, length in zip(PHASES, self.cfg.bootstrap_lengths):
-            s = np.zeros(nb)
-            s[int(bucket_indices(self.db.edges, np.array([length]))[0])] = 1.0
-            self.window.record(ph, s)
+        record_bootstrap(self.window, self.db.edges, self.cfg.bootstrap_lengths)
         self.epoch()
 
     def log_request(self, record: dict[str, Any]) -> None:
@@ -370,11 +364,8 @@ class Controller:
         return row
 
     def _spec(self, v: VPodRow) -> VPodSpec:
-        return VPodSpec(id=v.id, group=v.grp, phase=v.phase, model=self.cfg.model, chip=v.chip,
-                        topology=v.topology, num_chips=v.num_chips, tp=v.tp, pp=v.pp, ep=v.ep,
-                        max_batch=v.max_batch, max_model_len=v.max_model_len,
-                        labels={"neuscale-cluster": self.cfg.cluster, "neuscale-vpod": v.id,
-                                "neuscale-group": _label(v.grp), "neuscale-phase": v.phase})
+        return vpod_spec(self.cfg, v.id, v.grp, v.phase, v.chip, v.topology, v.num_chips,
+                         v.tp, v.pp, v.ep, v.max_batch, v.max_model_len)
 
     async def _create_remote(self, v: VPodRow, replaces: str | None) -> None:
         try:
@@ -528,6 +519,42 @@ class Controller:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+def vpod_spec(cfg: ControllerConfig, vid: str, group: str, phase: str, chip: str,
+              topology: str, num_chips: int, tp: int, pp: int, ep: int, max_batch: int,
+              max_model_len: int) -> VPodSpec:
+    """What the backend is asked to create for a vPod of this cluster (labels included)."""
+    return VPodSpec(id=vid, group=group, phase=phase, model=cfg.model, chip=chip,
+                    topology=topology, num_chips=num_chips, tp=tp, pp=pp, ep=ep,
+                    max_batch=max_batch, max_model_len=max_model_len,
+                    labels={"neuscale-cluster": cfg.cluster, "neuscale-vpod": vid,
+                            "neuscale-group": _label(group), "neuscale-phase": phase})
+
+
+def record_bootstrap(window: ObservationWindow, edges, lengths: tuple[int, int]) -> None:
+    """The bootstrap's sample: 1 token/s in the bucket of a typical input (prefill) and of a
+    typical input + output (decode)."""
+    from router.routing import bucket_indices
+    import numpy as np
+    nb = len(edges)
+    for ph, length in zip(PHASES, lengths):
+        s = np.zeros(nb)
+        s[int(bucket_indices(edges, np.array([length]))[0])] = 1.0
+        window.record(ph, s)
+
+
+def first_plans(db: BestFitDB, policies: Mapping[str, Policy],
+                cfg: ControllerConfig) -> dict[str, Plan]:
+    """The plans a controller with no vPods makes at start (``bootstrap``), per phase: what
+    ``serve --dry-run`` shows. Pure: nothing is created."""
+    window = ObservationWindow(len(db.edges), cfg.policy)
+    record_bootstrap(window, db.edges, cfg.bootstrap_lengths)
+    out = {}
+    for ph in PHASES:
+        obs = window.observe(ph, 0.0, [], dict(cfg.quotas), chips_in_use([]))
+        out[ph] = policies[ph].plan(obs, PolicyState())
+    return out
+
 
 def _metric(text: str, name: str) -> float:
     """Sum of a Prometheus metric's samples (all label sets) in exposition text."""

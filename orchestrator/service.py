@@ -56,6 +56,15 @@ class ServeConfig:
     policy_name: str = "neuscale"       # neuscale (load-aware) | neuscale-paper
     policy: Mapping[str, Any] = field(default_factory=dict)   # PolicyConfig fields to override
     bootstrap: bool = True              # start one vPod per phase before the first request
+    # the tpu and static backends (deploy/gcp/cluster.yaml documents every field)
+    tpu: Mapping[str, Any] | None = None      # project, zones, runtime versions, ...
+    hosts: tuple[Any, ...] = ()               # static: existing hosts and their chips
+    ssh: Mapping[str, Any] | None = None      # user, key_path, known_hosts, ...
+    engine: Mapping[str, Any] | None = None   # vLLM: model weights, command, install, port
+
+    def sections(self) -> dict[str, Any]:
+        return {"tpu": self.tpu, "hosts": list(self.hosts), "ssh": self.ssh,
+                "engine": self.engine}
 
 
 class Service:
@@ -69,7 +78,7 @@ class Service:
         self._run_task: asyncio.Task | None = None
 
     # ---- pieces -------------------------------------------------------------------------------
-    def _load(self):
+    def load(self):
         from dse.catalog import default_catalog
         from dse.db import BestFitDB
         from dse.models import load_model
@@ -128,34 +137,15 @@ class Service:
         state.set_meta("sim_cloud_pid", str(self._cloud.pid))
         return SimBackend(url)
 
-    # ---- start / stop -------------------------------------------------------------------------
-    async def start(self) -> str:
-        from router.gateway import Gateway
+    def max_context(self) -> int:
+        return min(self.arch.max_context or self.db.edges[-1], self.db.edges[-1])
 
-        from .controller import Controller, ControllerConfig
+    def control(self, max_context: int):
+        """The controller's settings and the policy per phase (after :meth:`load`)."""
+        from .controller import ControllerConfig
         from .policy import PolicyConfig
-        from .state import StateStore
+        from .registry import make_live_policies
         cfg = self.cfg
-        if cfg.backend != "sim":
-            raise NeuScaleError(f"--backend {cfg.backend!r}: this build serves 'sim' (the "
-                                "Cloud TPU backend is the next step)")
-        self._load()
-        api_key = self._api_key()
-        state_path = Path(cfg.state) if cfg.state else default_state_path(cfg.cluster)
-        self.state = StateStore(state_path)
-        self.state.check_identity(cluster=cfg.cluster, model=self.arch.name,
-                                  model_hash=self.arch.fingerprint(), backend=cfg.backend)
-        self.backend = await self._sim_backend(self.state)
-        max_context = min(self.arch.max_context or self.db.edges[-1], self.db.edges[-1])
-        from router.predict import make_predictor
-        try:
-            predictor = make_predictor(cfg.predictor, self.db.edges,
-                                       serving_model=self.arch.name)
-        except ValueError as e:
-            raise NeuScaleError(f"--predictor: {e}") from None
-        self.gateway = Gateway(self.arch.name, self.db.edges, max_context, api_key=api_key,
-                               tokenizer=self._tokenizer(), predictor=predictor,
-                               wait_for_vpod_s=cfg.wait_for_vpod_s)
         try:
             pcfg = PolicyConfig(**dict(cfg.policy))
         except TypeError as e:
@@ -164,8 +154,39 @@ class Service:
         ccfg = ControllerConfig(policy=pcfg, time_scale=cfg.time_scale,
                                 cluster=cfg.cluster, model=cfg.model, quotas=dict(cfg.quotas),
                                 bootstrap=cfg.bootstrap, max_model_len=max_context)
-        from .registry import make_live_policies
-        policies = make_live_policies(cfg.policy_name, self.db, pcfg, self.catalog)
+        return ccfg, make_live_policies(cfg.policy_name, self.db, pcfg, self.catalog)
+
+    # ---- start / stop -------------------------------------------------------------------------
+    async def start(self) -> str:
+        from router.gateway import Gateway
+
+        from .controller import Controller
+        from .state import StateStore
+        cfg = self.cfg
+        if cfg.backend not in BACKENDS:
+            raise NeuScaleError(f"--backend {cfg.backend!r}: expected one of "
+                                f"{', '.join(BACKENDS)}")
+        self.load()
+        api_key = self._api_key()
+        remote = None if cfg.backend == "sim" else remote_backend(cfg, self.catalog,
+                                                                   self.arch.name)
+        state_path = Path(cfg.state) if cfg.state else default_state_path(cfg.cluster)
+        self.state = StateStore(state_path)
+        self.state.check_identity(cluster=cfg.cluster, model=self.arch.name,
+                                  model_hash=self.arch.fingerprint(), backend=cfg.backend)
+        self.backend = remote or await self._sim_backend(self.state)
+        max_context = self.max_context()
+        from router.predict import make_predictor
+        try:
+            predictor = make_predictor(cfg.predictor, self.db.edges,
+                                       serving_model=self.arch.name)
+        except ValueError as e:
+            raise NeuScaleError(f"--predictor: {e}") from None
+        self.gateway = Gateway(self.arch.name, self.db.edges, max_context, api_key=api_key,
+                               tokenizer=self._tokenizer(), predictor=predictor,
+                               wait_for_vpod_s=cfg.wait_for_vpod_s,
+                               continuation="kv" if cfg.backend == "sim" else "text")
+        ccfg, policies = self.control(max_context)
         self.controller = Controller(self.db, self.backend, self.gateway, self.state, ccfg,
                                      policies)
         self.gateway.status_provider = self.controller.status
@@ -218,6 +239,19 @@ class Service:
             await asyncio.wait_for(self.backend.delete(vid), 10.0)
         except Exception as e:        # best effort: the cloud goes away next anyway
             log.warning("deleting %s at stop: %s", vid, e)
+
+
+BACKENDS = ("sim", "tpu", "static")
+
+
+def remote_backend(cfg: ServeConfig, catalog, served_model_name: str):
+    """The tpu or static backend of ``cfg`` (a config mistake: one NeuScaleError)."""
+    from backends.base import BackendError
+    from backends.config import make_backend
+    try:
+        return make_backend(cfg.backend, cfg.sections(), catalog, served_model_name)
+    except BackendError as e:
+        raise NeuScaleError(str(e)) from None
 
 
 async def _alive(url: str) -> bool:

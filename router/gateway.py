@@ -147,10 +147,11 @@ class _Flight:
 
     __slots__ = ("req", "path", "prompt_tokens", "max_tokens", "min_tokens", "est", "generated",
                  "engine_prompt", "group", "kv", "base", "t0", "t_first", "finish", "opened",
-                 "migrations", "failovers", "est0", "group0")
+                 "migrations", "failovers", "est0", "group0", "text_mode", "text_out",
+                 "gen_base")
 
     def __init__(self, req: ParsedRequest, prompt_tokens: int, max_tokens: int, est: int,
-                 t0: float):
+                 t0: float, text_mode: bool = False):
         self.req = req
         self.path = PATHS[req.kind]
         self.prompt_tokens = prompt_tokens
@@ -171,10 +172,33 @@ class _Flight:
         self.opened = False
         self.migrations = 0
         self.failovers = 0
+        # continuation "text" (engines that cannot take KV from another engine, e.g. vLLM
+        # without a KV connector): a call after the first gets the text so far appended to
+        # the prompt (chat: a final assistant message to continue) and the rest of the budget
+        self.text_mode = text_mode
+        self.text_out: list[str] = []
+        self.gen_base = 0                         # output tokens before the current call
 
     def body(self, *, stream: bool, max_tokens: int, kv: dict[str, Any] | None) -> bytes:
-        mt = min(self.min_tokens, max_tokens)
-        parts = [self.base, f',"max_tokens":{max_tokens}']
+        base = self.base
+        self.gen_base = 0
+        if self.text_mode:
+            kv = None
+            if self.generated:
+                self.gen_base = self.generated
+                up = dict(self.req.upstream)
+                so_far = "".join(self.text_out)
+                if "messages" in up:
+                    up["messages"] = [*up["messages"], {"role": "assistant",
+                                                        "content": so_far}]
+                    up["continue_final_message"] = True
+                    up["add_generation_prompt"] = False
+                else:
+                    up["prompt"] = str(up.get("prompt", "")) + so_far
+                base = json.dumps(up, separators=(",", ":"))[:-1]
+                max_tokens = max(1, max_tokens - self.generated)
+        mt = min(max(self.min_tokens - self.gen_base, 0), max_tokens)
+        parts = [base, f',"max_tokens":{max_tokens}']
         if mt:
             parts.append(f',"min_tokens":{mt}')
         if stream:
@@ -303,8 +327,15 @@ class Gateway:
                  *, api_key: str | None = None, tokenizer: TokenCounter | None = None,
                  predictor: LengthPredictor | None = None, wait_for_vpod_s: float = 30.0,
                  retry_after_s: float = 5.0, upstream_timeout_s: float = 60.0,
-                 connect_timeout_s: float = 5.0, quarantine_s: float = 5.0):
+                 connect_timeout_s: float = 5.0, quarantine_s: float = 5.0,
+                 continuation: str = "kv"):
         self.model = model
+        if continuation not in ("kv", "text"):
+            raise ValueError("continuation must be 'kv' or 'text'")
+        # how a request continues on another engine (P/D hand-off, migration, fail-over):
+        # "kv" - kv_transfer_params name the KV's source and generated_tokens (engines with a
+        # KV connector; the sim engines); "text" - the text so far is resent (any vLLM)
+        self.continuation = continuation
         self.edges = tuple(int(e) for e in edges)
         if not self.edges or max_context < 2:
             raise ValueError("edges must be non-empty and max_context >= 2")
@@ -671,7 +702,7 @@ class Gateway:
         self._tok["prefill"][self._bucket(p)] += p
         if est > 1:
             self._tok["decode"][self._bucket(p + est)] += est
-        return _Flight(req, p, mt, est, t0)
+        return _Flight(req, p, mt, est, t0, self.continuation == "text")
 
     async def _tables_or_wait(self, http_req: web.Request | None) -> _Targets:
         """The routing state, once it can serve (a decode table). With none yet - a cold start,
@@ -862,7 +893,7 @@ class Gateway:
                     old = f.generated
                     u = chunk.get("usage")
                     if u:
-                        f.generated = u.get("completion_tokens", old)
+                        f.generated = f.gen_base + u.get("completion_tokens", old - f.gen_base)
                         if f.engine_prompt is None:
                             f.engine_prompt = u.get("prompt_tokens")
                     elif text:
@@ -871,6 +902,8 @@ class Gateway:
                         produced = True
                     if text or finish or not f.opened:
                         f.opened = True
+                        if text:
+                            f.text_out.append(text)
                         yield text, finish
                     if finish is not None:
                         f.finish = finish
@@ -923,7 +956,7 @@ class Gateway:
                 chunk = await stream.__anext__()
                 u = chunk.get("usage")
                 if u:
-                    f.generated = max(f.generated, u.get("completion_tokens", 0))
+                    f.generated = max(f.generated, f.gen_base + u.get("completion_tokens", 0))
         except (StopAsyncIteration, UpstreamFailure):
             pass
 
@@ -983,6 +1016,7 @@ class Gateway:
         f.engine_prompt = u.get("prompt_tokens")
         if text:
             self._first_text(f)
+            f.text_out.append(text)
         if f.generated >= f.max_tokens or not handoff or \
                 (finish == "stop" and f.generated >= f.min_tokens):
             f.finish = finish or "length"

@@ -5,6 +5,8 @@
     orchestrator simulate ...  trace replay through the autoscaling policies   (cli/simulate.py)
     orchestrator serve ...     the live stack: OpenAI gateway + controller      (cli/serve.py)
     orchestrator status        what a running `serve` is doing                  (cli/serve.py)
+    orchestrator down          delete every vPod of a tpu/static cluster        (cli/serve.py)
+    orchestrator logs VPOD     a tpu/static vPod's engine log                   (cli/serve.py)
     orchestrator predictor ... the output-length predictor: train, eval, predict (cli/predictor.py)
 
 Every error a user can cause ends in one line ``error: ...`` on stderr and exit status 2.
@@ -40,9 +42,10 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from backends.base import BackendError
     try:
         return args.func(args)
-    except NeuScaleError as e:
+    except (NeuScaleError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -59,8 +59,16 @@ def serve_config(args: argparse.Namespace):
             values[name] = getattr(args, name)
     if args.log_prompts:
         values["log_prompts"] = True
+    remote = values.get("backend", "sim") != "sim"
+    if remote:
+        # real hardware: the control plane runs on the wall clock, and a stopped controller
+        # leaves its vPods serving (a restart adopts them; `orchestrator down` deletes them)
+        values.setdefault("time_scale", 1.0)
+        values.setdefault("keep_vpods", True)
     if args.keep_vpods:
         values["keep_vpods"] = True
+    if getattr(args, "release_vpods", False):
+        values["keep_vpods"] = False
     if args.no_bootstrap:
         values["bootstrap"] = False
     cat = catalog(args)
@@ -72,6 +80,13 @@ def serve_config(args: argparse.Namespace):
     elif isinstance(q, dict):
         values["quotas"] = parse_quota(cat, ",".join(f"{c}={n}" for c, n in q.items()))
     values["chip_files"] = tuple(args.chip_file or values.get("chip_files") or ())
+    if "hosts" in values:
+        if not isinstance(values["hosts"], (list, tuple)):
+            raise NeuScaleError("hosts must be a list of {name, address, chip, topology}")
+        values["hosts"] = tuple(values["hosts"])
+    for name in ("tpu", "ssh", "engine"):
+        if values.get(name) is not None and not isinstance(values[name], dict):
+            raise NeuScaleError(f"{name}: must be a mapping of settings")
     pol = dict(values.get("policy") or {})
     for item in args.policy_option or ():
         k, sep, v = item.partition("=")
@@ -133,6 +148,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from orchestrator.service import serve_forever
     cfg = serve_config(args)
+    if args.dry_run:
+        from orchestrator.cloudops import dry_run, format_dry_run
+        d = dry_run(cfg)
+        if args.json:
+            print_json(d)
+        else:
+            print(format_dry_run(d))
+        return 0
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
 
@@ -145,6 +168,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(serve_forever(cfg, announce))
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def _ops_config(args: argparse.Namespace):
+    from orchestrator.service import ServeConfig
+    values = _config_file(args.config)
+    for name in ("backend", "cluster", "state"):
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    if values.get("backend", "sim") not in ("tpu", "static"):
+        raise NeuScaleError(f"{args.config}: backend must be tpu or static for this command "
+                            "(set `backend:` in the config or pass --backend)")
+    if "hosts" in values and isinstance(values["hosts"], list):
+        values["hosts"] = tuple(values["hosts"])
+    values.pop("quotas", None)
+    try:
+        return ServeConfig(**values)
+    except TypeError as e:
+        raise NeuScaleError(f"{args.config}: {e}") from None
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from orchestrator.cloudops import down
+    cfg = _ops_config(args)
+    out = sys.stderr if args.json else sys.stdout
+    deleted = asyncio.run(down(cfg, progress=lambda m: print(m, file=out, flush=True)))
+    if args.json:
+        print_json({"cluster": cfg.cluster, "deleted": sorted(deleted)})
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from orchestrator.cloudops import logs
+    cfg = _ops_config(args)
+    text = asyncio.run(logs(cfg, args.vpod, args.lines))
+    sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
     return 0
 
 
@@ -220,7 +280,18 @@ def add_parser(sub) -> None:
                     "machine: tokens at the chip model's pace, the control plane (Table 3's "
                     "delays, the policy's 5-min epochs) --time-scale times faster. Settings "
                     "come from the defaults, then --config FILE (YAML/JSON), then the flags.")
-    sv.add_argument("--backend", choices=["sim"], help=f"(default {d.backend})")
+    sv.add_argument("--backend", choices=["sim", "tpu", "static"],
+                    help=f"sim: simulated TPUs on this machine; tpu: Cloud TPU VMs made "
+                         f"through the TPU API, engines started over SSH; static: existing "
+                         f"hosts listed in the config, over SSH (default {d.backend}; tpu and "
+                         f"static need --config, see deploy/gcp/cluster.yaml)")
+    sv.add_argument("--dry-run", action="store_true",
+                    help="tpu/static: validate the config and print the vPods a start "
+                         "creates first and the exact vllm command lines; calls no API")
+    sv.add_argument("--json", action="store_true", help="--dry-run: machine-readable")
+    sv.add_argument("--release-vpods", action="store_true",
+                    help="on exit delete the vPods (the default for sim; tpu and static "
+                         "keep them for the next start, `orchestrator down` deletes them)")
     sv.add_argument("--model", help=f"preset or config.json path (default {d.model})")
     sv.add_argument("--db", help="best-fit database (default: built, verified on the chip "
                                  "model and cached on first run)")
@@ -269,6 +340,29 @@ def add_parser(sub) -> None:
     sv.add_argument("--log-level", default="warning", help="python logging level")
     add_common(sv, json_flag=False)
     sv.set_defaults(func=cmd_serve)
+
+    dn = sub.add_parser("down", help="delete every vPod of a tpu/static cluster (only those "
+                                     "labelled with its name)",
+                        description="Delete every vPod labelled neuscale-cluster=CLUSTER in the "
+                                    "config's zones (tpu: the TPU VMs and queued resources; "
+                                    "static: the engine processes), and nothing else. Stop "
+                                    "`orchestrator serve` first, or it creates new ones.")
+    dn.add_argument("--config", metavar="FILE", required=True, help="the cluster config")
+    dn.add_argument("--backend", choices=["tpu", "static"], help="(default: the config's)")
+    dn.add_argument("--cluster", help="(default: the config's)")
+    dn.add_argument("--state", help="the state file whose rows to mark released")
+    dn.add_argument("--json", action="store_true", help="machine-readable output")
+    dn.set_defaults(func=cmd_down)
+
+    lg = sub.add_parser("logs", help="the engine log of one vPod of a tpu/static cluster",
+                        description="Print the tail of a vPod's engine log (vLLM's output), "
+                                    "read over SSH from its first host.")
+    lg.add_argument("vpod", help="the vPod id (orchestrator status lists them)")
+    lg.add_argument("--config", metavar="FILE", required=True, help="the cluster config")
+    lg.add_argument("--backend", choices=["tpu", "static"], help="(default: the config's)")
+    lg.add_argument("--lines", type=number("--lines", int, lo=1, hi=100000), default=200,
+                    help="how many lines (default 200)")
+    lg.set_defaults(func=cmd_logs)
 
     st = sub.add_parser("status", help="groups, vPods, routing and recent actions of a "
                                        "running `orchestrator serve`")
