@@ -10,15 +10,15 @@ from typing import Any, Mapping
 
 from .base import Backend, ConfigError
 from .engine import EngineSettings
-from .ssh import SSHSettings
 
 REMOTE_BACKENDS = ("tpu", "static")
 
 
 def ssh_settings(d: Mapping[str, Any] | None, *, need_known_hosts: bool,
-                 check_files: bool = True) -> SSHSettings:
+                 check_files: bool = True):
     """``ssh:``: user, key_path, known_hosts, port, connect_timeout_s, command_timeout_s,
     attempts. ``check_files=False`` (a dry run on another machine) skips the files' checks."""
+    from .ssh import SSHSettings
     d = {str(k).replace("-", "_"): v for k, v in dict(d or {}).items()}
     known = set(SSHSettings.__dataclass_fields__)
     for k in d:
@@ -61,7 +61,11 @@ def make_backend(kind: str, sections: Mapping[str, Any], catalog, served_model_n
                  environ: Mapping[str, str] | None = None) -> Backend:
     """The backend ``kind`` (tpu | static) from the config's sections (``tpu``, ``hosts``,
     ``ssh``, ``engine``); nothing is contacted yet."""
-    from .remote import RemoteEngines
+    try:
+        from .remote import RemoteEngines
+    except ImportError as e:
+        raise ConfigError(f"the {kind} backend needs paramiko and google-cloud-tpu ({e}): "
+                          "pip install 'neuscale[tpu]'") from None
     if kind not in REMOTE_BACKENDS:
         raise ConfigError(f"backend {kind!r}: expected one of {', '.join(REMOTE_BACKENDS)}")
     engine = EngineSettings.from_mapping(sections.get("engine"),

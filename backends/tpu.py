@@ -82,6 +82,7 @@ class TpuSettings:
     queued_timeout_s: float = 3600.0               # wait for capacity, then fail over
     delete_timeout_s: float = 900.0
     poll_s: float = 10.0
+    startup_script: str | None = None              # a file run at every VM's boot
     api_endpoint: str | None = None                # host:port of the TPU API (default Google's)
     insecure_channel: bool = False                 # plain-text gRPC (a local emulator)
 
@@ -160,6 +161,12 @@ class TpuSettings:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                   or not v > 0):
                 raise ConfigError(f"tpu.{name} must be a number of seconds > 0 (got {v!r})")
+        ss = d.get("startup_script")
+        if ss is not None:
+            from pathlib import Path
+            if not isinstance(ss, str) or not Path(ss).expanduser().is_file():
+                raise ConfigError(f"tpu.startup_script: no file at {ss!r}")
+            d["startup_script"] = str(Path(ss).expanduser())
         for name in ("network", "subnetwork", "service_account", "api_endpoint"):
             v = d.get(name)
             if v is not None and not isinstance(v, str):
@@ -319,8 +326,7 @@ class TpuBackend(Backend):
                 type_=tpu_v2.AcceleratorConfig.Type[sl.type_name], topology=sl.topology),
             runtime_version=s.runtime_version(spec.chip),
             labels=labels,
-            metadata={SPEC_KEY: json.dumps(spec.to_json(), separators=(",", ":"),
-                                           sort_keys=True)},
+            metadata=self._metadata(spec),
             tags=list(s.tags),
             network_config=tpu_v2.NetworkConfig(
                 network=s.network or "", subnetwork=s.subnetwork or "",
@@ -348,6 +354,13 @@ class TpuBackend(Backend):
             return found
         return await self._call(f"create node {spec.id}",
                                 lambda: op.result(timeout=s.create_timeout_s), spec.chip)
+
+    def _metadata(self, spec: VPodSpec) -> dict[str, str]:
+        md = {SPEC_KEY: json.dumps(spec.to_json(), separators=(",", ":"), sort_keys=True)}
+        if self.settings.startup_script:
+            with open(self.settings.startup_script, encoding="utf-8") as f:
+                md["startup-script"] = f.read()        # GCE's boot-time script key
+        return md
 
     async def _create_queued(self, zone: str, spec: VPodSpec, node):
         from google.cloud import tpu_v2

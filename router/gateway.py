@@ -328,7 +328,7 @@ class Gateway:
                  predictor: LengthPredictor | None = None, wait_for_vpod_s: float = 30.0,
                  retry_after_s: float = 5.0, upstream_timeout_s: float = 60.0,
                  connect_timeout_s: float = 5.0, quarantine_s: float = 5.0,
-                 continuation: str = "kv"):
+                 continuation: str = "kv", upstream_api_key: str | None = None):
         self.model = model
         if continuation not in ("kv", "text"):
             raise ValueError("continuation must be 'kv' or 'text'")
@@ -350,7 +350,7 @@ class Gateway:
         self.retry_after_s = max(1, int(math.ceil(retry_after_s)))
         self.quarantine_s = float(quarantine_s)
         self.client = EngineClient(connect_timeout_s=connect_timeout_s,
-                                   read_timeout_s=upstream_timeout_s)
+                                   read_timeout_s=upstream_timeout_s, api_key=upstream_api_key)
         self.metrics = GatewayMetrics()
         active = self.predictor
         self.metrics.predictor.labels(

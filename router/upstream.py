@@ -129,7 +129,11 @@ class EngineClient:
     """The pooled HTTP client of the engines. :meth:`start` inside the event loop."""
 
     def __init__(self, *, connect_timeout_s: float = 5.0, read_timeout_s: float = 60.0,
-                 limit_per_host: int = 0):
+                 limit_per_host: int = 0, api_key: str | None = None):
+        # the engines' API key (vLLM's VLLM_API_KEY), sent on every call when set
+        self._headers = dict(JSON_HEADERS)
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.limit_per_host = limit_per_host
@@ -167,7 +171,7 @@ class EngineClient:
         for attempt in (0, 1):
             try:
                 resp = await self._session.post(self._url(url), data=body,
-                                                headers=JSON_HEADERS)
+                                                headers=self._headers)
                 break
             except asyncio.TimeoutError:
                 raise UpstreamFailure("timeout", f"no answer from {url}") from None
@@ -188,7 +192,8 @@ class EngineClient:
                 body_json = {}
             finally:
                 resp.release()
-            if 400 <= resp.status < 500 and resp.status not in (404, 408, 429):
+            # 401/403: the engine refused the gateway (a key mismatch), not the request
+            if 400 <= resp.status < 500 and resp.status not in (401, 403, 404, 408, 429):
                 if not isinstance(body_json, dict) or "error" not in body_json:
                     body_json = {"error": {"message": str(body_json)[:500],
                                            "type": "invalid_request_error", "param": None,
