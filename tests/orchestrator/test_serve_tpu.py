@@ -250,3 +250,30 @@ def test_dry_run_prints_the_plan_and_calls_no_api(cloud, tmp_path, llama8b_db):
         assert f"--tensor-parallel-size {v['tp']}" in cmd
         assert "--served-model-name llama3-8b" in cmd
         assert v["zone"] in (ZONE5P, ZONE6E, "us-west4-a", "us-central2-b")
+
+
+def test_queued_resources_provision_serve_and_go_down(cloud, tmp_path, llama8b_db):
+    fake, sshd = cloud
+    cfg = write_config(tmp_path, fake, sshd, "epsilon", db=str(llama8b_db[1]),
+                       tpu={"provisioning": "queued", "spot": True})
+    s = Serve(tmp_path, cfg)
+    try:
+        st = s.ready()
+        ours = nodes(fake, "epsilon")
+        assert len(ours) == len(st["vpods"])
+        assert fake.call_count("CreateQueuedResource") == len(ours)
+        assert fake.call_count("CreateNode") == 0 or all(n.queued_resource for n in ours)
+        for n in ours:
+            q = fake.queued_resource(n.queued_resource)
+            from google.cloud import tpu_v2
+            assert q is not None and tpu_v2.QueuedResource.pb(q).HasField("spot")
+        c = OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        assert c.completions.create(model="llama3-8b", prompt="queued",
+                                    max_tokens=4).usage.completion_tokens == 4
+        qr_names = [n.queued_resource for n in ours]
+    finally:
+        s.stop()
+    d = cli("down", "--config", str(cfg))
+    assert d.returncode == 0, d.stderr
+    assert wait_for(lambda: not nodes(fake, "epsilon"), 30)
+    assert wait_for(lambda: all(fake.queued_resource(q) is None for q in qr_names), 30)
