@@ -277,3 +277,46 @@ def test_queued_resources_provision_serve_and_go_down(cloud, tmp_path, llama8b_d
     assert d.returncode == 0, d.stderr
     assert wait_for(lambda: not nodes(fake, "epsilon"), 30)
     assert wait_for(lambda: all(fake.queued_resource(q) is None for q in qr_names), 30)
+
+
+def test_static_hosts_serve_survive_a_restart_and_go_down(cloud, tmp_path, llama8b_db):
+    _, sshd = cloud
+    hosts = HOSTS[-2:]
+    known = tmp_path / "known_hosts"
+    known.write_text("".join(f"[{h}]:{sshd.port} {sshd.host_public}\n" for h in hosts))
+    workdir = tmp_path / "hosts"
+    cfg = tmp_path / "static.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "backend": "static", "cluster": "zeta", "model": "llama3-8b",
+        "db": str(llama8b_db[1]), "predictor": "fixed:40",
+        "hosts": [{"name": f"vm{i}", "address": h, "chip": "v5p", "topology": "2x2x1"}
+                  for i, h in enumerate(hosts)],
+        "ssh": {"user": sshd.user, "key_path": sshd.key_path, "known_hosts": str(known),
+                "port": sshd.port},
+        "engine": {"model": "llama3-8b",
+                   "command": [sys.executable, "-m", "backends.sim.engine_server", "--model"],
+                   "check": "true", "install": "false", "listen": "worker",
+                   "port": free_port(), "workdir": str(workdir), "ready_timeout_s": 120,
+                   "hf_token_env": None}}))
+
+    def engines() -> list[str]:
+        return sorted(p.name for p in workdir.iterdir() if (p / "record.json").exists()
+                      and (p / "pid").exists()) if workdir.exists() else []
+    s = Serve(tmp_path, cfg)
+    try:
+        st = s.ready()
+        assert len(engines()) == len(st["vpods"]) == 2
+        c = OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        assert c.completions.create(model="llama3-8b", prompt="static",
+                                    max_tokens=6).usage.completion_tokens == 6
+        before = engines()
+        s.stop(signal.SIGKILL)
+        s = Serve(tmp_path, cfg)
+        s.ready()
+        assert engines() == before                   # adopted, nothing started twice
+        assert "adopt" in {a["kind"] for a in s.status()["recent_actions"]}
+    finally:
+        s.stop()
+    d = cli("down", "--config", str(cfg))
+    assert d.returncode == 0, d.stderr
+    assert engines() == []
