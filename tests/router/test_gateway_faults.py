@@ -371,3 +371,40 @@ def test_a_bug_still_answers_500_or_an_error_event(rig):
         stream_text(r.client, max_tokens=30, extra_body={"ignore_eos": True})
     assert metric(r, 'neuscale_errors_total{kind="internal"}') == 2
     assert drained(r, "e")
+
+
+def test_text_continuation_for_engines_without_a_kv_connector(rig):
+    """continuation="text" (real vLLM without a KV connector ignores kv_transfer_params): the
+    decode call after the prefill, and the call after a fail-over, carry the prompt plus the
+    text so far and the rest of the budget; the client sees every token once and the usage is
+    summed across the calls."""
+    r = rig(continuation="text")
+    p = r.engine("p")
+    d = r.engine("d")
+    r.targets({"A": [d]}, prefill=[p])
+    out = r.client.completions.create(model="m", prompt=PROMPT, max_tokens=12, seed=3,
+                                      extra_body={"ignore_eos": True})
+    first = direct_text(PROMPT, 3, 1)
+    assert "kv_transfer_params" not in p.bodies[-1] and "kv_transfer_params" not in d.bodies[-1]
+    assert d.bodies[-1]["prompt"] == PROMPT + first and d.bodies[-1]["max_tokens"] == 11
+    assert out.choices[0].text == first + direct_text(PROMPT + first, 3, 11)
+    assert out.usage.completion_tokens == 12
+    # a decode vPod that breaks after 4 tokens: the next one continues from the text so far
+    bad = r.engine("bad", fail=("reset", 4))
+    good = r.engine("good")
+    r.targets({"A": [bad, good]})
+    text, usage, fins = stream_text(r.client, max_tokens=20, seed=5,
+                                    extra_body={"ignore_eos": True})
+    assert usage.completion_tokens == 20 and fins[-1] == "length"
+    assert len(bad.bodies) == 1                      # the tie goes to the first vPod
+    sent = direct_text(PROMPT, 5, 4)
+    assert good.bodies[-1]["prompt"] == PROMPT + sent
+    assert good.bodies[-1]["max_tokens"] == 16
+    assert text == sent + direct_text(PROMPT + sent, 5, 16)
+    # chat: the partial answer goes back as a final assistant message to continue
+    r.targets({"A": [d]}, prefill=[p])
+    r.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                     max_tokens=6, extra_body={"ignore_eos": True})
+    body = d.bodies[-1]
+    assert body["messages"][-1]["role"] == "assistant" and body["messages"][-1]["content"]
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
