@@ -243,5 +243,18 @@ async def with_retries(fn: Callable[[], Awaitable[T]], *, attempts: int = 5,
     raise AssertionError("unreachable")
 
 
-__all__ = ["PHASES", "BackendError", "TransientError", "QuotaError", "ConfigError", "VPodSpec",
+async def await_launch(launches: dict[str, "asyncio.Task"], vpod_id: str,
+                       timeout_s: float) -> T:
+    """Wait for a vPod's launch task (shielded: a timeout leaves it running); a failed launch
+    is forgotten so that the next call starts it again."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(launches[vpod_id]), timeout_s)
+    except asyncio.TimeoutError:
+        raise TransientError(f"vPod {vpod_id} not ready after {timeout_s:g} s") from None
+    except BackendError:
+        launches.pop(vpod_id, None)
+        raise
+
+
+__all__ = ["await_launch", "PHASES", "BackendError", "TransientError", "QuotaError", "ConfigError", "VPodSpec",
            "VPodInfo", "Backend", "with_retries"]

@@ -21,8 +21,8 @@ from typing import Any, Mapping, Sequence
 
 from dse.vpod import VPodState
 
-from .base import (Backend, BackendError, ConfigError, QuotaError, TransientError, VPodInfo,
-                   VPodSpec)
+from .base import (Backend, BackendError, ConfigError, QuotaError, VPodInfo, VPodSpec,
+                   await_launch)
 
 log = logging.getLogger("neuscale.backends.static")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -194,13 +194,7 @@ class StaticBackend(Backend):
         if spec is None:
             raise BackendError(f"vPod {vpod_id} does not exist")
         self._ensure_launch(spec)
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._launch[vpod_id]), timeout_s)
-        except asyncio.TimeoutError:
-            raise TransientError(f"vPod {vpod_id} not ready after {timeout_s:g} s") from None
-        except BackendError:
-            self._launch.pop(vpod_id, None)
-            raise
+        return await await_launch(self._launch, vpod_id, timeout_s)
 
     async def get(self, vpod_id: str) -> VPodInfo | None:
         await self._scan()

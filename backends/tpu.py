@@ -32,13 +32,13 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from dse.vpod import VPodState
 
 from .base import (Backend, BackendError, ConfigError, QuotaError, TransientError, VPodInfo,
-                   VPodSpec)
+                   VPodSpec, await_launch)
 from .engine import EngineSettings
 
 log = logging.getLogger("neuscale.backends.tpu")
@@ -493,23 +493,19 @@ class TpuBackend(Backend):
     async def wait_ready(self, vpod_id: str, timeout_s: float) -> VPodInfo:
         if vpod_id in self._ready:
             return self._ready[vpod_id]
-        t = self._launch.get(vpod_id)
-        if t is None:
-            node = await self._find(vpod_id)
-            if node is None:
-                raise BackendError(f"vPod {vpod_id} does not exist")
-            spec = _spec_of(node)
-            if spec is None:
-                raise BackendError(f"node {vpod_id} carries no NeuScale spec")
+        if vpod_id not in self._launch:
+            node, spec = await self._node_and_spec(vpod_id)
             self._ensure_launch(spec, node)
-            t = self._launch[vpod_id]
-        try:
-            return await asyncio.wait_for(asyncio.shield(t), timeout_s)
-        except asyncio.TimeoutError:
-            raise TransientError(f"vPod {vpod_id} not ready after {timeout_s:g} s") from None
-        except BackendError:
-            self._launch.pop(vpod_id, None)
-            raise
+        return await await_launch(self._launch, vpod_id, timeout_s)
+
+    async def _node_and_spec(self, vpod_id: str):
+        node = await self._find(vpod_id)
+        if node is None:
+            raise BackendError(f"vPod {vpod_id} does not exist")
+        spec = _spec_of(node)
+        if spec is None:
+            raise BackendError(f"node {vpod_id} carries no NeuScale spec")
+        return node, spec
 
     async def get(self, vpod_id: str) -> VPodInfo | None:
         node = await self._find(vpod_id)
@@ -601,12 +597,7 @@ class TpuBackend(Backend):
         return out
 
     async def logs(self, vpod_id: str, lines: int = 200) -> str:
-        node = await self._find(vpod_id)
-        if node is None:
-            raise BackendError(f"vPod {vpod_id} does not exist")
-        spec = _spec_of(node)
-        if spec is None:
-            raise BackendError(f"node {vpod_id} carries no NeuScale spec")
+        node, spec = await self._node_and_spec(vpod_id)
         workers = self._workers(node)
         trusted = await self._host_keys(node, workers)
         return await self.remote.logs(spec, workers, lines=lines, trusted=trusted)
