@@ -278,7 +278,10 @@ def add_parser(sub) -> None:
                     "/v1/models, /health, /metrics, /admin/status) and the autoscaling "
                     "controller over a backend. --backend sim runs simulated TPU vPods on this "
                     "machine: tokens at the chip model's pace, the control plane (Table 3's "
-                    "delays, the policy's 5-min epochs) --time-scale times faster. Settings "
+                    "delays, the policy's 5-min epochs) --time-scale times faster. --backend "
+                    "tpu creates Cloud TPU VMs and starts vLLM on them over SSH; --backend "
+                    "static uses existing hosts (both: --config FILE, see "
+                    "deploy/gcp/cluster.yaml; --dry-run shows the plan first). Settings "
                     "come from the defaults, then --config FILE (YAML/JSON), then the flags.")
     sv.add_argument("--backend", choices=["sim", "tpu", "static"],
                     help=f"sim: simulated TPUs on this machine; tpu: Cloud TPU VMs made "
