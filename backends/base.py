@@ -189,9 +189,22 @@ class VPodInfo:
 
 # ---- the interface ---------------------------------------------------------------------------
 
+def label_value(text: str) -> str:
+    """``text`` as a Cloud label value (lowercase letters, digits, '-' and '_', at most 63)."""
+    return "".join(c if c.isalnum() or c in "_-" else "-" for c in str(text).lower())[:63]
+
+
 class Backend(ABC):
     """Creates, lists, waits for and deletes vPods (see the module docstring). Coroutines run
-    on the caller's event loop."""
+    on the caller's event loop.
+
+    ``continuation`` says how the gateway continues a request on another of this backend's
+    engines (``router.gateway.Gateway``): ``"kv"`` - they take ``kv_transfer_params`` (the sim
+    engines); ``"text"`` - they are plain vLLM, the text so far is resent. ``engine_api_key``:
+    the key the engines require (None: none)."""
+
+    continuation = "kv"
+    engine_api_key: str | None = None
 
     @abstractmethod
     async def create(self, spec: VPodSpec) -> VPodInfo:
@@ -213,6 +226,15 @@ class Backend(ABC):
     async def wait_ready(self, vpod_id: str, timeout_s: float) -> VPodInfo:
         """Wait until the vPod is READY; :class:`TransientError` after ``timeout_s``,
         :class:`BackendError` when it is deleted or unknown meanwhile."""
+
+    async def delete_pending(self, labels: Mapping[str, str]) -> list[str]:
+        """Delete what carries ``labels`` but is not a vPod yet (e.g. Cloud TPU queued
+        resources still waiting for capacity); what was deleted. Default: nothing pending."""
+        return []
+
+    async def logs(self, vpod_id: str, lines: int = 200) -> str:
+        """The tail of the vPod's engine log."""
+        raise BackendError(f"this backend keeps no engine logs ({vpod_id})")
 
     @abstractmethod
     async def close(self) -> None:
@@ -256,5 +278,5 @@ async def await_launch(launches: dict[str, "asyncio.Task"], vpod_id: str,
         raise
 
 
-__all__ = ["await_launch", "PHASES", "BackendError", "TransientError", "QuotaError", "ConfigError", "VPodSpec",
+__all__ = ["await_launch", "label_value", "PHASES", "BackendError", "TransientError", "QuotaError", "ConfigError", "VPodSpec",
            "VPodInfo", "Backend", "with_retries"]

@@ -5,6 +5,7 @@ setting (``deploy/gcp/cluster.yaml`` documents each field)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -57,36 +58,68 @@ def ssh_settings(d: Mapping[str, Any] | None, *, need_known_hosts: bool,
     return SSHSettings(**vals)
 
 
-def make_backend(kind: str, sections: Mapping[str, Any], catalog, served_model_name: str,
-                 environ: Mapping[str, str] | None = None) -> Backend:
-    """The backend ``kind`` (tpu | static) from the config's sections (``tpu``, ``hosts``,
-    ``ssh``, ``engine``); nothing is contacted yet."""
-    try:
-        from .remote import RemoteEngines
-    except ImportError as e:
-        raise ConfigError(f"the {kind} backend needs paramiko and google-cloud-tpu ({e}): "
-                          "pip install 'neuscale[tpu]'") from None
+@dataclass(frozen=True)
+class Sections:
+    """A remote backend's settings, parsed and checked."""
+
+    kind: str                   # tpu | static
+    engine: EngineSettings
+    ssh: Any                    # backends.ssh.SSHSettings
+    tpu: Any = None             # backends.tpu.TpuSettings (kind tpu)
+    hosts: tuple = ()           # backends.static.StaticHost (kind static)
+
+
+def parse_sections(kind: str, sections: Mapping[str, Any], catalog, served_model_name: str,
+                   *, check_files: bool = True) -> Sections:
+    """The config's ``engine``, ``ssh`` and ``tpu`` or ``hosts`` sections; one
+    :class:`ConfigError` naming the first bad setting. ``check_files=False`` (a dry run on
+    another machine) does not require the SSH key files to exist here."""
     if kind not in REMOTE_BACKENDS:
         raise ConfigError(f"backend {kind!r}: expected one of {', '.join(REMOTE_BACKENDS)}")
+    missing = [m for m in ("paramiko", "google.cloud.tpu_v2") if not _installed(m)]
+    if missing:
+        raise ConfigError(f"the {kind} backend needs {' and '.join(missing)}: pip install "
+                          "'neuscale[tpu]'")
     engine = EngineSettings.from_mapping(sections.get("engine"),
                                          served_model_name=served_model_name)
     if not engine.model:
         raise ConfigError("engine.model must name the weights the engines serve: a Hugging "
                           "Face id (e.g. meta-llama/Meta-Llama-3-8B-Instruct), a gs:// path "
                           "or a directory on the hosts")
-    env = os.environ if environ is None else environ
     if kind == "tpu":
-        from .tpu import TpuBackend, TpuSettings
+        from .tpu import TpuSettings
         tpu = TpuSettings.from_mapping(sections.get("tpu"))
         for chip in tpu.zones:
             catalog.get(chip)
-        ssh = ssh_settings(sections.get("ssh"),
-                           need_known_hosts=tpu.host_keys == "known-hosts")
-        return TpuBackend(tpu, engine, RemoteEngines(ssh, engine, env), catalog)
-    from .static import StaticBackend, parse_hosts
-    hosts = parse_hosts(sections.get("hosts"), catalog)
-    ssh = ssh_settings(sections.get("ssh"), need_known_hosts=True)
-    return StaticBackend(hosts, RemoteEngines(ssh, engine, env), catalog)
+        ssh = ssh_settings(sections.get("ssh"), need_known_hosts=tpu.host_keys == "known-hosts",
+                           check_files=check_files)
+        return Sections(kind, engine, ssh, tpu=tpu)
+    from .static import parse_hosts
+    hosts = tuple(parse_hosts(sections.get("hosts"), catalog))
+    ssh = ssh_settings(sections.get("ssh"), need_known_hosts=True, check_files=check_files)
+    return Sections(kind, engine, ssh, hosts=hosts)
 
 
-__all__ = ["REMOTE_BACKENDS", "ssh_settings", "make_backend"]
+def _installed(module: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:            # a missing parent package (google.cloud)
+        return False
+
+
+def make_backend(kind: str, sections: Mapping[str, Any], catalog, served_model_name: str,
+                 environ: Mapping[str, str] | None = None) -> Backend:
+    """The backend ``kind`` (tpu | static) from the config's sections (``tpu``, ``hosts``,
+    ``ssh``, ``engine``); nothing is contacted yet."""
+    p = parse_sections(kind, sections, catalog, served_model_name)
+    from .remote import RemoteEngines
+    remote = RemoteEngines(p.ssh, p.engine, os.environ if environ is None else environ)
+    if kind == "tpu":
+        from .tpu import TpuBackend
+        return TpuBackend(p.tpu, p.engine, remote, catalog)
+    from .static import StaticBackend
+    return StaticBackend(p.hosts, remote, catalog)
+
+
+__all__ = ["REMOTE_BACKENDS", "Sections", "ssh_settings", "parse_sections", "make_backend"]

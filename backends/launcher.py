@@ -365,21 +365,29 @@ def _short(argv: Any) -> str:
 
 
 async def wait_http_ready(url: str, *, timeout_s: float, health_path: str = "/health",
-                          check: Callable[[str], Awaitable[Any]] | None = None) -> None:
+                          check: Callable[[str], Awaitable[Any]] | None = None,
+                          watch: Callable[[], Awaitable[None]] | None = None,
+                          watch_every_s: float = 5.0) -> None:
     """Poll ``url + health_path`` until it answers 200 and then, when given, until
     ``await check(url)`` succeeds (returns anything but False without raising: e.g. a first
     tiny completion). Backs off from 0.1 s to 2 s between tries (with jitter);
-    :class:`TransientError` after ``timeout_s``, with the last error."""
+    :class:`TransientError` after ``timeout_s``, with the last error. ``watch()`` runs every
+    ``watch_every_s`` between tries and ends the wait by raising (e.g. the engine process
+    exited: no point waiting out the timeout)."""
     base = url.rstrip("/")
     health = base + (health_path if health_path.startswith("/") else "/" + health_path)
     deadline = time.monotonic() + timeout_s
     last = "no answer yet"
     wait = 0.1
+    watched = time.monotonic()
     async with aiohttp.ClientSession() as session:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            if watch is not None and time.monotonic() - watched >= watch_every_s:
+                watched = time.monotonic()
+                await watch()
             up = False
             try:
                 req_timeout = aiohttp.ClientTimeout(total=max(0.05, min(5.0, left)))

@@ -22,10 +22,10 @@ from typing import Any, Mapping, Sequence
 
 import aiohttp
 
-from .base import BackendError, ConfigError, TransientError, VPodSpec
+from .base import BackendError, ConfigError, VPodSpec
 from .engine import (EngineSettings, VLLM_API_KEY_VAR, engine_env, fetch_weights_script,
                      host_plan, secret_env)
-from .launcher import EngineLauncher
+from .launcher import EngineLauncher, wait_http_ready
 from .ssh import SSHPool, SSHSettings
 
 log = logging.getLogger("neuscale.backends.remote")
@@ -127,42 +127,27 @@ class RemoteEngines:
         return url
 
     async def wait_ready(self, spec: VPodSpec, host: str, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + max(timeout_s, 1.0)
+        """Until ``/health`` answers and a first tiny completion succeeds; an engine process
+        that exits meanwhile ends the wait with the tail of its log."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         body = {"model": self.engine.served_model_name or spec.model, "prompt": "Hello",
                 "max_tokens": 1}
-        last = "no answer yet"
-        delay = 0.5
-        checked_at = time.monotonic()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            while True:
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            async with s.post(url + "/v1/completions", json=body,
-                                              headers=headers) as c:
-                                if c.status == 200:
-                                    return
-                                last = f"first completion answered {c.status}: " \
-                                       f"{(await c.text())[:200]}"
-                        else:
-                            last = f"/health answered {r.status}"
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                    last = f"{type(e).__name__}: {e}"
-                now = time.monotonic()
-                if now - checked_at >= 5.0:
-                    checked_at = now
-                    st = await self.launcher.status(host, spec.id)
-                    state = st[0] if isinstance(st, tuple) else st
-                    if state != "running":
-                        tail = await self.launcher.logs(host, spec.id, lines=30)
-                        raise BackendError(f"vPod {spec.id}: the engine on {host} exited "
-                                           f"before it was ready; its log ends:\n{tail}")
-                if now > deadline:
-                    raise TransientError(f"vPod {spec.id}: not ready at {url} after "
-                                         f"{timeout_s:.0f} s ({last})")
-                await asyncio.sleep(delay)
-                delay = min(delay * 1.5, 5.0)
+
+        async def first_completion(base: str) -> None:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+                async with s.post(base + "/v1/completions", json=body, headers=headers) as c:
+                    if c.status != 200:
+                        raise BackendError(f"first completion answered {c.status}: "
+                                           f"{(await c.text())[:200]}")
+
+        async def still_running() -> None:
+            if await self.launcher.status(host, spec.id) != "running":
+                tail = await self.launcher.logs(host, spec.id, lines=30)
+                raise BackendError(f"vPod {spec.id}: the engine on {host} exited before it "
+                                   f"was ready; its log ends:\n{tail}")
+
+        await wait_http_ready(url, timeout_s=max(timeout_s, 1.0), check=first_completion,
+                              watch=still_running)
 
     async def stop(self, spec: VPodSpec, workers: Sequence[str]) -> None:
         """Stop the engine, then the Ray processes; their directories (logs) are removed."""

@@ -91,6 +91,12 @@ class StaticBackend(Backend):
     """vPods on a fixed list of hosts; engines through ``remote``
     (:class:`backends.remote.RemoteEngines`)."""
 
+    continuation = "text"                    # plain vLLM: no KV connector between engines
+
+    @property
+    def engine_api_key(self) -> str | None:
+        return self.remote.api_key
+
     def __init__(self, hosts: Sequence[StaticHost], remote, catalog):
         self.hosts = {h.name: h for h in hosts}
         self.remote = remote

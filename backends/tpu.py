@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 from dse.vpod import VPodState
 
 from .base import (Backend, BackendError, ConfigError, QuotaError, TransientError, VPodInfo,
-                   VPodSpec, await_launch)
+                   VPodSpec, await_launch, label_value)
 from .engine import EngineSettings
 
 log = logging.getLogger("neuscale.backends.tpu")
@@ -55,6 +55,14 @@ _TYPE_NAMES = {"v4": "V4", "v5e": "V5LITE_POD", "v5p": "V5P", "v6e": "V6E"}
 SPEC_KEY = "neuscale-spec"
 PROVISIONING = ("node", "queued")
 _NODE_ID = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+class NotFound(BackendError):
+    """The API has no such node / queued resource."""
+
+
+class AlreadyExists(ConfigError):
+    """The id is taken (a retried create that had landed, or someone else's resource)."""
 
 
 # ---- settings --------------------------------------------------------------------------------
@@ -249,6 +257,12 @@ def node_id_ok(vpod_id: str) -> bool:
 class TpuBackend(Backend):
     """vPods as Cloud TPU slices; engines through ``remote`` (:class:`RemoteEngines`)."""
 
+    continuation = "text"                    # plain vLLM: no KV connector between engines
+
+    @property
+    def engine_api_key(self) -> str | None:
+        return self.remote.api_key
+
     def __init__(self, settings: TpuSettings, engine: EngineSettings, remote, catalog,
                  client=None):
         self.settings = settings
@@ -320,7 +334,7 @@ class TpuBackend(Backend):
     async def _create_in(self, zone: str, spec: VPodSpec, sl: Slice):
         from google.cloud import tpu_v2
         s = self.settings
-        labels = {**s.labels, **{k: _label_value(v) for k, v in spec.labels.items()}}
+        labels = {**s.labels, **{k: label_value(v) for k, v in spec.labels.items()}}
         node = tpu_v2.Node(
             accelerator_config=tpu_v2.AcceleratorConfig(
                 type_=tpu_v2.AcceleratorConfig.Type[sl.type_name], topology=sl.topology),
@@ -345,9 +359,7 @@ class TpuBackend(Backend):
         try:
             op = await self._call(f"create node {spec.id}", lambda: cl.create_node(
                 parent=parent, node_id=spec.id, node=node), spec.chip)
-        except ConfigError as e:
-            if "already exists" not in str(e).lower():
-                raise
+        except AlreadyExists:
             found = await self._get_node(zone, spec.id)   # a retried call that had landed
             if found is None:
                 raise
@@ -371,9 +383,7 @@ class TpuBackend(Backend):
         if s.spot:
             qr.spot = tpu_v2.QueuedResource.Spot()
         elif s.reserved:
-            qr.guaranteed = tpu_v2.QueuedResource.Guaranteed(reserved=True) \
-                if "reserved" in tpu_v2.QueuedResource.Guaranteed.meta.fields \
-                else tpu_v2.QueuedResource.Guaranteed()
+            qr.guaranteed = tpu_v2.QueuedResource.Guaranteed()
         cl = self.client()
         name = f"{self._parent(zone)}/queuedResources/{spec.id}"
         try:
@@ -381,9 +391,8 @@ class TpuBackend(Backend):
                              lambda: cl.create_queued_resource(
                                  parent=self._parent(zone), queued_resource_id=spec.id,
                                  queued_resource=qr), spec.chip)
-        except ConfigError as e:
-            if "already exists" not in str(e).lower():
-                raise
+        except AlreadyExists:                   # a retried call that had landed
+            pass
         deadline = time.monotonic() + s.queued_timeout_s
         State = tpu_v2.QueuedResourceState.State
         while True:
@@ -416,9 +425,8 @@ class TpuBackend(Backend):
                                       request={"name": name, "force": True}))
             await self._call(f"delete queued resource {vid}",
                              lambda: op.result(timeout=self.settings.delete_timeout_s))
-        except BackendError as e:
-            if "not found" not in str(e).lower():
-                raise
+        except NotFound:
+            pass
 
     def _ensure_launch(self, spec: VPodSpec, node) -> None:
         t = self._launch.get(spec.id)
@@ -515,7 +523,7 @@ class TpuBackend(Backend):
         return None if spec is None else self._info(node, spec)
 
     async def list(self, labels: Mapping[str, str] = {}) -> list[VPodInfo]:
-        want = {k: _label_value(v) for k, v in labels.items()}
+        want = {k: label_value(v) for k, v in labels.items()}
         out = []
         for zone in self.settings.all_zones():
             for node in await self._list_zone(zone):
@@ -558,10 +566,8 @@ class TpuBackend(Backend):
                                   lambda: cl.delete_node(name=node.name))
             await self._call(f"delete node {vpod_id}",
                              lambda: op.result(timeout=self.settings.delete_timeout_s))
-        except BackendError as e:
-            if "not found" in str(e).lower():
-                return
-            raise
+        except NotFound:
+            return
         log.info("deleted %s", vpod_id)
 
     async def close(self) -> None:
@@ -578,10 +584,11 @@ class TpuBackend(Backend):
             except Exception:                 # already closed
                 pass
 
-    async def delete_queued_orphans(self, labels: Mapping[str, str]) -> list[str]:
-        """Delete the queued resources whose node carries ``labels`` and that have no node
-        (still waiting for capacity, or failed): ``orchestrator down`` leaves nothing queued."""
-        want = {k: _label_value(v) for k, v in labels.items()}
+    async def delete_pending(self, labels: Mapping[str, str]) -> list[str]:
+        """Delete the queued resources whose node carries ``labels`` (those still waiting for
+        capacity or failed have no node ``list`` shows): ``orchestrator down`` leaves nothing
+        queued."""
+        want = {k: label_value(v) for k, v in labels.items()}
         cl = self.client()
         out = []
         for zone in self.settings.all_zones():
@@ -608,10 +615,8 @@ class TpuBackend(Backend):
         try:
             return await self._call(f"get node {vpod_id}",
                                     lambda: cl.get_node(name=self._name(zone, vpod_id)))
-        except BackendError as e:
-            if "not found" in str(e).lower():
-                return None
-            raise
+        except NotFound:
+            return None
 
     async def _find(self, vpod_id: str, zones: Sequence[str] | None = None):
         if not node_id_ok(vpod_id):
@@ -695,9 +700,9 @@ def cloud_error(e: Exception, what: str, chip: str | None,
         return ConfigError(msg + " - check tpu.runtime_versions, tpu.zones (does the zone "
                            "offer this chip version?) and tpu.network")
     if isinstance(e, gx.AlreadyExists):
-        return ConfigError(msg + " (already exists)")
+        return AlreadyExists(msg + " (already exists)")
     if isinstance(e, gx.NotFound):
-        return BackendError(msg + " (not found)")
+        return NotFound(msg + " (not found)")
     if isinstance(e, gx.FailedPrecondition):
         return BackendError(msg)
     if isinstance(e, TimeoutError) or type(e).__name__ == "TimeoutError":
@@ -705,11 +710,6 @@ def cloud_error(e: Exception, what: str, chip: str | None,
     if isinstance(e, gx.GoogleAPICallError):
         return TransientError(msg)
     return BackendError(msg)
-
-
-def _label_value(v: str) -> str:
-    out = "".join(c if c.isalnum() or c in "_-" else "-" for c in str(v).lower())
-    return out[:63]
 
 
 def _spec_of(node) -> VPodSpec | None:

@@ -19,8 +19,8 @@ def dry_run(cfg: ServeConfig) -> dict[str, Any]:
     """Validate the config and describe the vPods a start creates first (the controller's
     bootstrap plan) with the slice each becomes and the exact commands run on its hosts."""
     from backends.base import BackendError
-    from backends.config import ssh_settings
-    from backends.engine import EngineSettings, display, host_plan, engine_env
+    from backends.config import parse_sections
+    from backends.engine import display, engine_env, host_plan
 
     from .controller import first_plans, vpod_spec
     from .registry import PHASES
@@ -30,24 +30,11 @@ def dry_run(cfg: ServeConfig) -> dict[str, Any]:
     svc.load()
     warnings: list[str] = []
     try:
-        engine = EngineSettings.from_mapping(cfg.engine, served_model_name=svc.arch.name)
-        if not engine.model:
-            raise NeuScaleError("engine.model must name the weights the engines serve (a "
-                                "Hugging Face id, a gs:// path or a directory on the hosts)")
-        tpu = hosts = None
-        if cfg.backend == "tpu":
-            from backends.tpu import TpuSettings
-            tpu = TpuSettings.from_mapping(cfg.tpu)
-            for chip in tpu.zones:
-                svc.catalog.get(chip)
-            need_kh = tpu.host_keys == "known-hosts"
-        else:
-            from backends.static import parse_hosts
-            hosts = parse_hosts(list(cfg.hosts), svc.catalog)
-            need_kh = True
-        ssh = ssh_settings(cfg.ssh, need_known_hosts=need_kh, check_files=False)
+        p = parse_sections(cfg.backend, cfg.sections(), svc.catalog, svc.arch.name,
+                           check_files=False)
     except BackendError as e:
         raise NeuScaleError(str(e)) from None
+    engine, ssh, tpu = p.engine, p.ssh, p.tpu
     for path, what in ((ssh.key_path, "ssh.key_path"), (ssh.known_hosts, "ssh.known_hosts")):
         if path and not Path(path).is_file():
             warnings.append(f"{what}: {path} does not exist on this machine")
@@ -58,7 +45,7 @@ def dry_run(cfg: ServeConfig) -> dict[str, Any]:
     ccfg, policies = svc.control(svc.max_context())
     plans = first_plans(svc.db, policies, ccfg)
     vpods = []
-    free = list(hosts or [])
+    free = list(p.hosts)
     n = 0
     for ph in PHASES:
         plan = plans[ph]
@@ -162,19 +149,24 @@ def format_dry_run(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-async def down(cfg: ServeConfig, progress=print) -> list[str]:
-    """Delete every vPod labelled ``neuscale-cluster=<cluster>`` (and nothing else); the
-    state file's rows are marked released. The ids deleted."""
-    svc = Service(cfg)
+def _backend(cfg: ServeConfig):
+    """The config's tpu/static backend, without building the model's DB."""
     from dse.catalog import default_catalog
     from dse.models import load_model
-    arch = load_model(cfg.model)
-    backend = remote_backend(cfg, default_catalog(list(cfg.chip_files)), arch.name)
+    return remote_backend(cfg, default_catalog(list(cfg.chip_files)), load_model(cfg.model).name)
+
+
+async def down(cfg: ServeConfig, progress=print) -> list[str]:
+    """Delete every vPod labelled ``neuscale-cluster=<cluster>`` (and nothing else), and what
+    the backend still has pending for it (queued resources); the state file's rows are marked
+    released. The ids deleted."""
     from backends.base import BackendError
+    backend = _backend(cfg)
+    labels = {"neuscale-cluster": cfg.cluster}
     deleted: list[str] = []
     try:
         try:
-            infos = await backend.list({"neuscale-cluster": cfg.cluster})
+            infos = await backend.list(labels)
         except BackendError as e:
             raise NeuScaleError(f"listing the cluster's vPods: {e}") from None
         progress(f"{len(infos)} vPod(s) labelled neuscale-cluster={cfg.cluster}")
@@ -188,14 +180,11 @@ async def down(cfg: ServeConfig, progress=print) -> list[str]:
             deleted.append(vid)
             progress(f"  {vid}: deleted")
         await asyncio.gather(*(one(i.spec.id) for i in infos))
-        extra = getattr(backend, "delete_queued_orphans", None)
-        if extra is not None:
-            for name in await extra({"neuscale-cluster": cfg.cluster}):
-                progress(f"  queued resource {name}: deleted")
+        for name in await backend.delete_pending(labels):
+            progress(f"  pending {name}: deleted")
     finally:
         await backend.close()
     _mark_released(cfg, deleted)
-    del svc
     return deleted
 
 
@@ -216,11 +205,8 @@ def _mark_released(cfg: ServeConfig, ids: list[str]) -> None:
 
 
 async def logs(cfg: ServeConfig, vpod_id: str, lines: int = 200) -> str:
-    from dse.catalog import default_catalog
-    from dse.models import load_model
     from backends.base import BackendError
-    arch = load_model(cfg.model)
-    backend = remote_backend(cfg, default_catalog(list(cfg.chip_files)), arch.name)
+    backend = _backend(cfg)
     try:
         return await backend.logs(vpod_id, lines=lines)
     except BackendError as e:

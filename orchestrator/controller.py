@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import aiohttp
 
 from backends.base import (Backend, BackendError, ConfigError, QuotaError, TransientError,
-                           VPodInfo, VPodSpec, with_retries)
+                           VPodInfo, VPodSpec, label_value, with_retries)
 from dse.db import BestFitDB, Entry
 from dse.vpod import VPodState
 from router.gateway import Endpoint, Gateway
@@ -528,7 +528,7 @@ def vpod_spec(cfg: ControllerConfig, vid: str, group: str, phase: str, chip: str
                     topology=topology, num_chips=num_chips, tp=tp, pp=pp, ep=ep,
                     max_batch=max_batch, max_model_len=max_model_len,
                     labels={"neuscale-cluster": cfg.cluster, "neuscale-vpod": vid,
-                            "neuscale-group": _label(group), "neuscale-phase": phase})
+                            "neuscale-group": label_value(group), "neuscale-phase": phase})
 
 
 def record_bootstrap(window: ObservationWindow, edges, lengths: tuple[int, int]) -> None:
@@ -566,12 +566,6 @@ def _metric(text: str, name: str) -> float:
             except (ValueError, IndexError):
                 pass
     return total
-
-
-def _label(group: str) -> str:
-    """A group id as a label value (Cloud labels: lowercase letters, digits, - and _)."""
-    out = "".join(c if c.isalnum() else "-" for c in group.lower())
-    return out[:63]
 
 
 def _action_json(a) -> dict[str, Any]:

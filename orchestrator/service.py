@@ -185,9 +185,8 @@ class Service:
         self.gateway = Gateway(self.arch.name, self.db.edges, max_context, api_key=api_key,
                                tokenizer=self._tokenizer(), predictor=predictor,
                                wait_for_vpod_s=cfg.wait_for_vpod_s,
-                               continuation="kv" if cfg.backend == "sim" else "text",
-                               upstream_api_key=getattr(getattr(remote, "remote", None),
-                                                        "api_key", None))
+                               continuation=self.backend.continuation,
+                               upstream_api_key=self.backend.engine_api_key)
         ccfg, policies = self.control(max_context)
         self.controller = Controller(self.db, self.backend, self.gateway, self.state, ccfg,
                                      policies)

@@ -902,7 +902,7 @@ class Gateway:
                         produced = True
                     if text or finish or not f.opened:
                         f.opened = True
-                        if text:
+                        if text and f.text_mode:
                             f.text_out.append(text)
                         yield text, finish
                     if finish is not None:
@@ -1016,7 +1016,8 @@ class Gateway:
         f.engine_prompt = u.get("prompt_tokens")
         if text:
             self._first_text(f)
-            f.text_out.append(text)
+            if f.text_mode:
+                f.text_out.append(text)
         if f.generated >= f.max_tokens or not handoff or \
                 (finish == "stop" and f.generated >= f.min_tokens):
             f.finish = finish or "length"

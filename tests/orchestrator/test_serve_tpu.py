@@ -25,19 +25,10 @@ sys.path.insert(0, str(ROOT / "tests" / "backends"))
 
 from fake_tpu import FakeTpuServer, make_client  # noqa: E402
 from sshd import SSHD, LocalSSHD, free_port  # noqa: E402
+from test_serve_e2e import wait_for  # noqa: E402
 
 PROJECT, ZONE5P, ZONE6E = "proj-1", "us-east5-a", "us-east5-b"
 HOSTS = tuple(f"127.0.0.{i}" for i in range(2, 17))     # sshd listens on <= 16 sockets
-
-
-def wait_for(cond, timeout_s: float, every_s: float = 0.3):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(every_s)
-    return cond()
 
 
 @pytest.fixture(scope="module")
