@@ -56,7 +56,7 @@ def run_one(job: tuple) -> str:
     if kind == "sweep" and scale != 1:
         arr, inp, out = replicate(arr, inp, out, int(scale))
     cfg = ClusterConfig()
-    pricer = ChipModelPricer(arch, cat)
+    pricer = ChipModelPricer(arch, cat, db.stack)
     res = {"kind": kind, "model": model, "trace": trace, "metric": metric, "rate_scale": scale,
            "hours": hours, "summary": tr.summary(), "note": tr.note, "policies": {},
            "wall_s": {}}

@@ -86,7 +86,7 @@ def load_aware(db, rates) -> None:
     from dse.models import ModelArch
     from orchestrator.loadaware import LoadAwarePolicy
     from orchestrator.pricing import ChipModelPricer
-    pricer = ChipModelPricer(ModelArch(**db.meta["model_arch"]), default_catalog())
+    pricer = ChipModelPricer(ModelArch(**db.meta["model_arch"]), default_catalog(), db.stack)
     rng = np.random.default_rng(1)
     for phase in ("prefill", "decode"):
         pol = LoadAwarePolicy(db, phase, PolicyConfig(), pricer=pricer)

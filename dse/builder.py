@@ -34,6 +34,7 @@ from .costmodel import (BOUNDS, HBM_USABLE_FRACTION, METRICS, PHASES, REASONS, C
 from .costmodel import MODEL_VERSION
 from .db import DB_FORMAT, DB_FORMAT_VERSION, BestFitDB, Entry
 from .errors import NeuScaleError
+from .stacks import DEFAULT_STACK, StackProfile, get_stack
 from .models import ModelArch, load_model
 from .pareto import best_fit, pareto_front
 from .vpod import ICITopology, enumerate_topologies
@@ -55,6 +56,7 @@ class BuildOptions:
     workers: int = field(default_factory=default_workers)
     ray_address: str | None = None
     progress: bool | None = None     # None: a bar when stderr is a terminal
+    stack: str = DEFAULT_STACK       # serving-stack profile (dse.stacks) the vPods will run
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,9 @@ class DSE:
     """Holds a model's cost model and evaluates candidates (shared by build, cost, plot)."""
 
     def __init__(self, arch: ModelArch, catalog: Catalog | None = None,
-                 cache: FitCache | None = None):
+                 cache: FitCache | None = None, stack: "StackProfile | str | None" = None):
         self.arch = arch
+        self.stack = get_stack(stack)
         self.catalog = catalog or default_catalog()
         self.fits = cache or FitCache(arch)
         self.cost = CostModel(arch, self.fits)
@@ -123,12 +126,13 @@ class DSE:
     def latency_efficiency(self, cand: Candidate, phase: str, B: np.ndarray, S: np.ndarray,
                            metric: str):
         oc = self.on_chip(cand.chip, cand.par, phase, B, S)
-        lat, eff = latency_efficiency(oc, collectives(cand.topo, cand.chip, cand.par), metric)
+        lat, eff = latency_efficiency(oc, collectives(cand.topo, cand.chip, cand.par), metric,
+                                      self.stack)
         return lat, eff, oc
 
     def evaluate(self, cand: Candidate, phase: str, B: np.ndarray, S: np.ndarray) -> Roofline:
         oc = self.on_chip(cand.chip, cand.par, phase, B, S)
-        return roofline(oc.work, cand.chip, cand.topo, oc)
+        return roofline(oc.work, cand.chip, cand.topo, oc, self.stack)
 
     def forget(self, work: bool = True) -> None:
         """Drop cached evaluations (keeps memory flat across chips and phases)."""
@@ -196,7 +200,8 @@ def build(model: str | ModelArch, opts: BuildOptions = BuildOptions(),
     catalog = catalog or default_catalog()
     chips = catalog.resolve(opts.chips)
     ref = [catalog.get(n) for n in SLO_REFERENCE_CHIPS if n in catalog.names()] or chips
-    dse = DSE(arch, catalog)
+    stack = get_stack(opts.stack)
+    dse = DSE(arch, catalog, stack=stack)
     log = log or (lambda s: None)
 
     all_chips = list(dict.fromkeys(chips + ref))
@@ -253,6 +258,7 @@ def build(model: str | ModelArch, opts: BuildOptions = BuildOptions(),
     meta = {
         "format": DB_FORMAT, "format_version": DB_FORMAT_VERSION, "tool_version": __version__,
         "cost_model_version": MODEL_VERSION,
+        "stack": stack.to_json(),
         "model": arch.name, "model_hash": arch.fingerprint(), "model_arch": arch.to_json(),
         "metric": opts.metric, "slo_scale": opts.slo_scale,
         "efficiency_unit": "tokens/J" if opts.metric == "energy" else "tokens/USD",
@@ -305,7 +311,7 @@ def _phase_sweep(phase: str, progress: Callable[[int], None] | None = None):
             else:
                 oc = dse.on_chip(chip, par, phase, B, S)
                 li, ei = latency_efficiency(
-                    oc, [collectives(cs[i].topo, chip, par) for i in ii], opts.metric)
+                    oc, [collectives(cs[i].topo, chip, par) for i in ii], opts.metric, dse.stack)
                 shape = (len(ii), len(B), len(S))  # no collectives: no topology axis yet
                 lat[:, ii, :] = np.broadcast_to(li, shape).transpose(2, 0, 1)
                 eff[:, ii, :] = np.broadcast_to(ei, shape).transpose(2, 0, 1)

@@ -18,7 +18,10 @@ derives, per chip and per pipeline stage:
 Roofline: every component takes ``max(FLOPs / peak, bytes / HBM BW)`` (one kernel each, as XLA
 emits them), a stage adds its collectives, the slowest stage sets the pace. Pipelining splits the
 batch into ``m = min(B, PP)`` micro-batches: prefill TTFT = the sum of the stage times + (m - 1)
-slowest-stage slots, decode TPOT = max(sum of the stage times, m slowest-stage slots). Energy = dynamic per FLOP/byte (catalog) + static power x wall time for
+slowest-stage slots, decode TPOT = max(sum of the stage times, m slowest-stage slots); each step adds the
+serving stack's host time for the sequences of its micro-batch (:mod:`dse.stacks`,
+``step_s + per_seq_s x B/m``, or the longer of it and the device time with ``overlap``; the attention-kernel efficiency of a profile is a chip-model
+matter: the roofline's ``attn`` component holds the projections too). Energy = dynamic per FLOP/byte (catalog) + static power x wall time for
 every chip in the vPod; dollars = chips x price x wall time.
 
 Memory feasibility per chip: weights + KV cache of all B sequences at length S + transient
@@ -37,6 +40,7 @@ from .errors import NeuScaleError
 from .models import BYTES_PER_PARAM, ModelArch
 # The split of a model over chips and the torus collectives live in their own modules (the chip
 # model uses them too); the names are re-exported here, where callers have always found them.
+from .stacks import StackProfile, get_stack
 from .parallel import (Parallelism, enumerate_parallelisms, max_weights_bytes, stage_layout,
                        stage_weights, validate_parallelism, weight_bytes)
 from .torus import (Collective, allgather_cost, allreduce_cost, alltoall_cost, collectives,
@@ -56,7 +60,7 @@ FLASH_Q_BLOCK = 512
 PREFILL_CHUNK_TOKENS = 8192
 B2 = BYTES_PER_PARAM  # bf16 activations and KV cache
 # Version of the cost model's physics: databases built by an older one are rebuilt (cache keys).
-MODEL_VERSION = 2       # 2: prefill KV of every batch in flight in the pipeline
+MODEL_VERSION = 3       # 2: prefill KV of every batch in flight in the pipeline; 3: stack time
 
 REASONS = ("weights", "kv_cache", "activations")
 BOUNDS = ("compute", "memory", "ici")
@@ -432,18 +436,24 @@ def _timing(oc: OnChip, colls):
     return t_stage, slow, ici, dyn_total, t_sum
 
 
-def _schedule(oc: OnChip, t_stage, dyn_total, t_sum):
+def _schedule(oc: OnChip, t_stage, dyn_total, t_sum, stack: StackProfile):
     """Pipeline schedule of m micro-batches over stages of unequal length: the first
     micro-batch passes every stage once (``t_sum``), the others follow one slowest-stage slot
-    apart; a decode iteration ends when every micro-batch has passed every stage."""
+    apart; a decode iteration ends when every micro-batch has passed every stage. The serving
+    stack's step time (for the micro-batch's sequences) is paid once per fill and per cycle,
+    as the chip model's :meth:`sim.chip.ChipModel.step` does."""
     w, par, chip = oc.work, oc.work.par, oc.chip
     m = w.m
+    oh = stack.step_s + stack.per_seq_s * np.ceil(w.B / m)
+
+    def step(device):
+        return np.maximum(device, oh) if stack.overlap else device + oh
     if w.phase == "prefill":
-        latency = t_sum + (m - 1) * t_stage
-        cycle = m * t_stage
+        latency = step(t_sum) + (m - 1) * t_stage
+        cycle = step(m * t_stage)
         tokens = w.B * w.S
     else:
-        cycle = np.maximum(t_sum, m * t_stage)
+        cycle = np.maximum(step(t_sum), step(m * t_stage))
         latency = cycle
         tokens = w.B * np.ones_like(w.S)
     energy = dyn_total * m + chip.static_power_w * par.chips * cycle
@@ -451,23 +461,25 @@ def _schedule(oc: OnChip, t_stage, dyn_total, t_sum):
     return latency, cycle, tokens, energy, cost
 
 
-def latency_efficiency(oc: OnChip, colls, metric: str):
+def latency_efficiency(oc: OnChip, colls, metric: str, stack: "StackProfile | str | None" = None):
     """Fast path for the DSE sweep: (latency_s, tokens per J or per USD); ``colls`` may be a
-    list of topologies' collective tables (results then have a leading topology axis)."""
+    list of topologies' collective tables (results then have a leading topology axis).
+    ``stack``: the serving-stack profile (default ``vllm-tpu``)."""
     if isinstance(colls, list):
         colls = stack_collectives(colls)
     t_stage, _, _, dyn, t_sum = _timing(oc, colls)
-    latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn, t_sum)
+    latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn, t_sum, get_stack(stack))
     return latency, tokens / (energy if metric == "energy" else cost)
 
 
-def roofline(work: Work, chip: ChipSpec, topo: ICITopology, oc: OnChip | None = None
-             ) -> Roofline:
-    """Full roofline of one allocation (every quantity, per grid point)."""
+def roofline(work: Work, chip: ChipSpec, topo: ICITopology, oc: OnChip | None = None,
+             stack: "StackProfile | str | None" = None) -> Roofline:
+    """Full roofline of one allocation (every quantity, per grid point), with the serving
+    stack's software time (default ``vllm-tpu``)."""
     oc = oc or on_chip(work, chip)
     par = work.par
     t_stage, slow, ici, dyn, t_sum = _timing(oc, collectives(topo, chip, par))
-    latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn, t_sum)
+    latency, cycle, tokens, energy, cost = _schedule(oc, t_stage, dyn, t_sum, get_stack(stack))
     shape = np.broadcast_shapes(work.B.shape, work.S.shape)
     bc = lambda x: np.broadcast_to(x, shape)  # noqa: E731
 

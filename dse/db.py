@@ -158,8 +158,11 @@ class BestFitDB:
             for c in self.chips:
                 self._chip[(phase, c.lower())] = tuple(
                     self._by.get((phase, i, c)) for i in range(len(self.edges)))
-        self._aliases = {a.lower(): c for c, names in meta.get("chip_aliases", {}).items()
-                         for a in [c, *names]}
+        aliases = meta.get("chip_aliases")
+        self._aliases = {a.lower(): c for c, names in
+                         (aliases.items() if isinstance(aliases, dict) else ())
+                         if isinstance(c, str) and isinstance(names, list)
+                         for a in [c, *names] if isinstance(a, str)}
         self._max = self.edges[-1] if self.edges else MAX_SEQ_LEN
 
     # ---- query ------------------------------------------------------------------------------
@@ -217,6 +220,12 @@ class BestFitDB:
     def explain_for(self, phase: str, seq_len: int, chip: str) -> dict[str, Any]:
         i = self.bucket_index(seq_len)
         return self.explain.get(f"{phase}|{self.edges[i]}|{chip}", {})
+
+    @property
+    def stack(self):
+        """The serving-stack profile the database was built for (:func:`dse.stacks.stack_of`)."""
+        from .stacks import stack_of
+        return stack_of(self.meta)
 
     def check_built_for(self, arch, catalog) -> None:
         """Refuse to use this database for another model or with other chip specs: its best

@@ -84,7 +84,8 @@ class LoadAwarePolicy(Policy):
         if pricer is None:
             from dse.catalog import default_catalog
             from dse.models import ModelArch
-            pricer = ChipModelPricer(ModelArch(**db.meta["model_arch"]), default_catalog())
+            pricer = ChipModelPricer(ModelArch(**db.meta["model_arch"]), default_catalog(),
+                                     db.stack)
         if latency_fn is None:          # the coalescing SLO check asks the same chip model
             def latency_fn(spec: GroupSpec, phase: str, length: int) -> float:
                 return pricer.cost(alloc_of(spec), phase, length).latency_s

@@ -71,8 +71,9 @@ class ChipModelPricer:
     per allocation, phase and length): the DSE's pipelined view of a batch - latency of the
     batch, steady-state cycle, energy per cycle."""
 
-    def __init__(self, arch: ModelArch, catalog: Catalog):
-        self.arch, self.catalog = arch, catalog
+    def __init__(self, arch: ModelArch, catalog: Catalog, stack=None):
+        """``stack``: the serving-stack profile of the engines (the database's: ``db.stack``)."""
+        self.arch, self.catalog, self.stack = arch, catalog, stack
         self._models: dict[tuple, ChipModel] = {}
         self._memo: dict[tuple, PointCost] = {}
 
@@ -86,7 +87,8 @@ class ChipModelPricer:
     def _price(self, a: Alloc, phase: str, n: int) -> PointCost:
         cm = self._models.get(a.key)
         if cm is None:
-            cm = self._models[a.key] = ChipModel.of(self.arch, self.catalog, *a.key)
+            cm = self._models[a.key] = ChipModel.of(self.arch, self.catalog, *a.key,
+                                                    stack=self.stack)
         r = cm.step(phase, a.batch, n)
         static_w = cm.hw.static_power_w * cm.par.chips
         chip = self.catalog.get(a.chip)

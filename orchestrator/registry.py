@@ -99,7 +99,7 @@ def make_policies(name: str, db: BestFitDB, config: PolicyConfig, input_tokens, 
         from dse.catalog import default_catalog
         from dse.models import ModelArch
         pricer = ChipModelPricer(ModelArch(**db.meta["model_arch"]),
-                                 catalog or default_catalog())
+                                 catalog or default_catalog(), db.stack)
     inp = np.asarray(input_tokens)
     tot = inp + np.asarray(output_tokens)
     lengths = {"prefill": inp, "decode": tot}

@@ -21,7 +21,9 @@ unit that does its work:
   per-hop latency, achieved link bandwidth, a launch cost per collective);
 * MoE expert imbalance: the hottest expert receives 7x the mean tokens (§4), and the EP group
   waits for the chip that hosts it;
-* pipeline stages with their own layer counts, explicit bubbles, a fixed per-step host overhead.
+* pipeline stages with their own layer counts, explicit bubbles;
+* the serving stack's host time per step and per sequence and its attention-kernel efficiency
+  (:mod:`dse.stacks`).
 
 Energy per component: SA/VU FLOPs, SRAM/HBM/ICI bytes and static power x time, calibrated in
 :mod:`sim.hardware` to Table 2's peak efficiencies.
@@ -37,12 +39,13 @@ from dse.catalog import Catalog, ChipSpec
 from dse.errors import NeuScaleError
 from dse.models import ModelArch
 from dse.parallel import Parallelism, max_weights_bytes, stage_layout
+from dse.stacks import StackProfile, get_stack
 from dse.torus import allgather_cost, allreduce_cost, alltoall_cost, group_dims
 from dse.vpod import ICITopology
 from dse.xla_cost import ShardDims
 
 from .hardware import (COLLECTIVE_LAUNCH_S, HBM_OP_LATENCY_S, KERNEL_LAUNCH_S, OVERLAP,
-                       STEP_OVERHEAD_S, Hardware, hardware)
+                       Hardware, hardware)
 
 B2 = 2      # bf16
 MOE_HOT_FACTOR = 7.0   # hottest expert / mean expert load (paper §4, after He et al. 2026)
@@ -107,11 +110,16 @@ class StepResult:
 class ChipModel:
     """The per-operator model of one allocation (model x chip x topology x parallelism)."""
 
-    def __init__(self, arch: ModelArch, chip: ChipSpec, topo: ICITopology, par: Parallelism):
+    def __init__(self, arch: ModelArch, chip: ChipSpec, topo: ICITopology, par: Parallelism,
+                 stack: "StackProfile | str | None" = None):
+        """``stack``: the serving-stack profile (:mod:`dse.stacks`; default ``vllm-tpu``) whose
+        per-step and per-sequence software time every step adds and whose attention kernel
+        efficiency stretches the attention operators."""
         if topo.num_chips != par.chips:
             raise NeuScaleError(f"{par} needs {par.chips} chips; topology {topo} has "
                                 f"{topo.num_chips}")
         self.arch, self.chip, self.topo, self.par = arch, chip, topo, par
+        self.stack = get_stack(stack)
         self.hw = hardware(chip)
         self.d = ShardDims.of(arch, par.tp, par.ep)
         gd = group_dims(topo, chip, par)
@@ -122,11 +130,12 @@ class ChipModel:
 
     @classmethod
     def of(cls, arch: ModelArch, catalog: Catalog, chip: str, topology: str, tp: int,
-           pp: int = 1, ep: int = 1) -> "ChipModel":
+           pp: int = 1, ep: int = 1, stack: "StackProfile | str | None" = None) -> "ChipModel":
         """The model of an allocation given by names: ``chip`` is resolved through ``catalog``
         (aliases accepted), ``topology`` is a pod shape such as ``"2x2x1"``."""
         spec = catalog.get(chip)
-        return cls(arch, spec, ICITopology.parse(topology).for_chip(spec), Parallelism(tp, pp, ep))
+        return cls(arch, spec, ICITopology.parse(topology).for_chip(spec), Parallelism(tp, pp, ep),
+                   stack)
 
     # ---- operator primitives ----------------------------------------------------------------
     def _finish(self, name: str, tc: float, tv: float, hbm: float, **kw: float) -> Op:
@@ -192,7 +201,19 @@ class ChipModel:
 
     def attention(self, p_tokens: float, p_ctx: float, n_dec: float, dec_kv: float) -> list[Op]:
         """Ragged attention of one step: prefill chunks (``p_tokens`` new tokens attending
-        ``p_ctx`` keys in total) and ``n_dec`` decoding sequences over ``dec_kv`` cached keys."""
+        ``p_ctx`` keys in total) and ``n_dec`` decoding sequences over ``dec_kv`` cached keys;
+        each kernel at the serving stack's attention efficiency (its time / eff; the work, and
+        so the dynamic energy, unchanged)."""
+        ops = self._attention_kernels(p_tokens, p_ctx, n_dec, dec_kv)
+        eff_p, eff_d = self.stack.attn_prefill_eff, self.stack.attn_decode_eff
+        for o in ops:
+            eff = eff_p if o.name.startswith("attn_prefill") else eff_d
+            if eff != 1.0:
+                o.time_s /= eff
+        return ops
+
+    def _attention_kernels(self, p_tokens: float, p_ctx: float, n_dec: float, dec_kv: float
+                           ) -> list[Op]:
         d, w, hw = self.d, self.hw.width, self.hw
         ops: list[Op] = []
         if d.is_mla:
@@ -386,7 +407,8 @@ class ChipModel:
             times += [ts] * count
             energy += count * self.par.tp * ep * sum(o.energy_j(self.hw) for o in ops)
             all_ops.append((ts, ops))
-        latency = sum(times) + STEP_OVERHEAD_S
+        seqs = n_decode + (n_prefill_seqs or (1.0 if prefill_tokens > 0 else 0.0))
+        latency = self.stack.step_time_s(sum(times), seqs)
         slow_ops = max(all_ops, key=lambda x: x[0])[1]
         energy += self.hw.static_power_w * self.par.chips * latency
         return StepResult(latency, latency, energy, prefill_tokens + n_decode,
@@ -412,12 +434,13 @@ class ChipModel:
             tokens = batch
         stages = r.stage_times_s
         slowest = max(stages)
-        fill = sum(stages) + STEP_OVERHEAD_S
+        st = self.stack                  # the host schedules one micro-batch per step
+        fill = st.step_time_s(sum(stages), b_mb)
         if phase == "prefill":
             latency = fill + (m - 1) * slowest
-            cycle = m * slowest + STEP_OVERHEAD_S     # steady state: each stage busy m slots
+            cycle = st.step_time_s(m * slowest, b_mb)     # steady state: each stage busy m slots
         else:
-            latency = max(fill, m * slowest + STEP_OVERHEAD_S)
+            latency = max(fill, st.step_time_s(m * slowest, b_mb))
             cycle = latency
         static = self.hw.static_power_w * self.par.chips
         dyn = (r.energy_j - static * r.latency_s) * m

@@ -15,8 +15,9 @@ width). The clock follows from peak bf16 FLOP/s = MXUs x width^2 x 2 x clock: 1.
 
 Modelling assumptions (not vendor figures; each is one named constant below): achieved HBM
 bandwidth 90 % of peak for streaming kernels plus a 1 us DMA start per op, achieved ICI link
-bandwidth 85 %, 70 % compute/memory overlap inside an op, 2 us launch per kernel, 1.5 ms host
-and scheduling overhead per engine step, SRAM access 1 pJ/bit, VU 4x the SA energy per FLOP.
+bandwidth 85 %, 70 % compute/memory overlap inside an op, 2 us launch per kernel, SRAM access
+1 pJ/bit, VU 4x the SA energy per FLOP. The host's time per engine step belongs to the serving
+stack, not the chip: :mod:`dse.stacks`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ ICI_EFFICIENCY = 0.85          # achieved / peak link bandwidth
 OVERLAP = 0.70                 # share of the shorter of compute/memory hidden under the longer
 KERNEL_LAUNCH_S = 2e-6         # per operator (XLA TPU executes fused kernels back to back)
 COLLECTIVE_LAUNCH_S = 5e-6     # per collective (synchronisation of the group)
-STEP_OVERHEAD_S = 1.5e-3       # per engine step: host scheduling, input prep, sampling
 SRAM_J_PER_BYTE = 1e-12 * 8    # 1 pJ/bit
 VU_ENERGY_FACTOR = 4.0         # VU J/FLOP relative to SA J/FLOP
 VU_FLOP_PER_CYCLE_PER_CORE = 8 * 128 * 2

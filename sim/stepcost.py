@@ -42,14 +42,13 @@ from dse.cache import say_once
 from dse.files import MiB, write_atomic
 
 from .chip import ChipModel
-from .hardware import STEP_OVERHEAD_S
 
 # PCIe 4.0 x16 between HBM and host memory: 24 GB/s per chip (paper Table 3, weight loading)
 HOST_BW_BYTES_PER_S_PER_CHIP = 24e9
 
 # every module whose code decides a table's numbers: the chip model and what it runs
 _KEY_MODULES = ("sim.chip", "sim.hardware", "sim.stepcost", "dse.catalog", "dse.models",
-                "dse.parallel", "dse.torus", "dse.vpod", "dse.xla_cost")
+                "dse.parallel", "dse.torus", "dse.vpod", "dse.xla_cost", "dse.stacks")
 MAX_TABLE_BYTES = 256 * MiB
 
 
@@ -162,6 +161,9 @@ class StepCostTable:
         self._prefill_memo: dict[tuple[float, float], tuple[float, float]] = {}
         self._ep = ep
         self._heads: dict[int, tuple[float, float]] = {}
+        # the serving stack's software time per step and per scheduled sequence
+        self._oh_step, self._oh_seq = cm.stack.step_s, cm.stack.per_seq_s
+        self._overlap = cm.stack.overlap
 
     def _cell(self, table: str, i: int, j: int = 0) -> tuple[float, float]:
         """(latency, dynamic energy) of one grid cell of a table, from the chip model."""
@@ -204,7 +206,7 @@ class StepCostTable:
         cm = self.model
         h = hashlib.sha256()
         for part in (cm.arch.fingerprint(), repr(cm.chip), str(cm.topo), repr(cm.par),
-                     repr((self.max_tokens, self.max_seqs, self.max_kv_per_seq))):
+                     cm.stack.key(), repr((self.max_tokens, self.max_seqs, self.max_kv_per_seq))):
             h.update(part.encode())
         h.update(_source_digest())
         return h.hexdigest()[:24]
@@ -326,7 +328,8 @@ class StepCostTable:
         dyn = dyn + np.where(has_p, _interp2(gt2, gc, ep_, p, per_p), 0.0)
         lat = lat + np.where(has_d, _interp2(gs2, gc, td, nd, per_d), 0.0)
         dyn = dyn + np.where(has_d, _interp2(gs2, gc, ed, nd, per_d), 0.0)
-        lat = lat + STEP_OVERHEAD_S
+        host = self._oh_step + self._oh_seq * (np.asarray(n_decode, dtype=np.float64) + has_p)
+        lat = np.maximum(lat, host) if self._overlap else lat + host
         return lat, dyn + self.static_power_w * self.num_chips * lat
 
     def step1(self, prefill_tokens: float, prefill_ctx: float, n_decode: float,
@@ -342,12 +345,15 @@ class StepCostTable:
         lo, hi, last = gc[0], gc[-1], len(gc) - 2
         lr, er = row[2], row[3]
         w = self.static_power_w * self.num_chips
+        oh = self._oh_step + self._oh_seq * n
+        ov = self._overlap
         out = []
         for kv in (kv0, kv1):
             ly = min(max(math.log(kv / n), lo), hi)
             j = min(max(bisect_right(gc, ly) - 1, 0), last)
             f = (ly - gc[j]) / (gc[j + 1] - gc[j])
-            lat = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j])) + STEP_OVERHEAD_S
+            lat = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j]))
+            lat = (lat if lat > oh else oh) if ov else lat + oh
             out.append(lat)
             out.append(row[1] + math.exp(er[j] + f * (er[j + 1] - er[j])) + w * lat)
         return out[0], out[1], out[2], out[3]
@@ -355,7 +361,7 @@ class StepCostTable:
     def _decode_run(self, nd_glob: float, kv: np.ndarray):
         """A run of decode-only steps of one batch (the engine's vectorised phase): every term
         but decode attention is one scalar; attention is a 1-D interpolation along KV."""
-        lat0, dyn0 = self._step_scalar(0.0, 0.0, nd_glob, 0.0)   # without attention
+        lat0, dyn0 = self._device_scalar(0.0, 0.0, nd_glob, 0.0)   # without attention
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._v
         ep = self.model.par.ep
         nd = math.ceil(nd_glob / ep)
@@ -368,17 +374,15 @@ class StepCostTable:
         dyn_row = (1 - fx) * ed[i] + fx * ed[i + 1]
         att = np.exp(np.interp(ly, gc, lat_row))
         att_e = np.exp(np.interp(ly, gc, dyn_row))
-        lat = lat0 + att
-        return lat, dyn0 - self.static_power_w * self.num_chips * lat0 + att_e \
-            + self.static_power_w * self.num_chips * lat
+        host = self._oh_step + self._oh_seq * nd_glob
+        lat = np.maximum(lat0 + att, host) if self._overlap else lat0 + att + host
+        return lat, dyn0 + att_e + self.static_power_w * self.num_chips * lat
 
     def _decode_row(self, nd_glob: float) -> tuple:
         """Everything of a decode-only step of ``nd_glob`` sequences but the KV length: the
         constant terms and the attention row interpolated at the batch size."""
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
-        lat0, dyn0 = self._step_scalar(0.0, 0.0, nd_glob, 0.0)
-        lat0 -= STEP_OVERHEAD_S
-        dyn0 -= self.static_power_w * self.num_chips * (lat0 + STEP_OVERHEAD_S)
+        lat0, dyn0 = self._device_scalar(0.0, 0.0, nd_glob, 0.0)
         nd = math.ceil(nd_glob / self.model.par.ep)
         lx = min(max(math.log(nd), gs2[0]), gs2[-1])
         i = min(max(bisect_right(gs2, lx) - 1, 0), len(gs2) - 2)
@@ -394,6 +398,14 @@ class StepCostTable:
         v = self._heads[logits] = _interp1_scalar(s[1], s[5], s[6], logits)
         return v
 
+    def _with_host(self, dev: float, dyn: float, seqs: float) -> tuple[float, float]:
+        """A step's latency and energy from its device time: the stack's host time added, or
+        (``overlap``: the host prepares the next step while this one runs) the longer of the
+        two; static power over the whole step."""
+        host = self._oh_step + self._oh_seq * seqs
+        lat = (dev if dev > host else host) if self._overlap else dev + host
+        return lat, dyn + self.static_power_w * self.num_chips * lat
+
     def _step_scalar(self, p: float, ctx: float, nd_glob: float, kv: float):
         if p == 0.0 and nd_glob > 0.0 and kv > 0.0:      # decode-only: the common case
             row = self._rows.get(nd_glob) or self._decode_row(nd_glob)
@@ -402,7 +414,9 @@ class StepCostTable:
             j = min(max(bisect_right(gc, ly) - 1, 0), len(gc) - 2)
             f = (ly - gc[j]) / (gc[j + 1] - gc[j])
             lr, er = row[2], row[3]
-            lat = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j])) + STEP_OVERHEAD_S
+            dev = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j]))
+            host = self._oh_step + self._oh_seq * nd_glob
+            lat = (dev if dev > host else host) if self._overlap else dev + host
             dyn = row[1] + math.exp(er[j] + f * (er[j + 1] - er[j]))
             return lat, dyn + self.static_power_w * self.num_chips * lat
         if nd_glob == 0.0 and p > 0.0:                  # prefill-only (P/D prefill vPods)
@@ -417,10 +431,14 @@ class StepCostTable:
             lat, dyn = _interp1_scalar(s[0], s[3], s[4], p)
             x, y = self._heads.get(1) or self._head(1)
             u, v = _interp2_scalar(s[11], s[2], s[7], s[8], p, ctx / p)
-            lat += x + u + STEP_OVERHEAD_S
-            got = self._prefill_memo[key] = (lat, dyn + y + v
-                                             + self.static_power_w * self.num_chips * lat)
+            got = self._prefill_memo[key] = self._with_host(lat + x + u, dyn + y + v, 1.0)
             return got
+        dev, dyn = self._device_scalar(p, ctx, nd_glob, kv)
+        return self._with_host(dev, dyn, nd_glob + (p > 0))
+
+    def _device_scalar(self, p: float, ctx: float, nd_glob: float, kv: float
+                       ) -> tuple[float, float]:
+        """Device time and dynamic energy of a step (no host time, no static power)."""
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
         ep = self._ep
         p, ctx = p / ep, ctx / ep
@@ -445,8 +463,7 @@ class StepCostTable:
             x, y = _interp2_scalar(gs2, gc, td, ed, nd, kv / nd)
             lat += x
             dyn += y
-        lat += STEP_OVERHEAD_S
-        return lat, dyn + self.static_power_w * self.num_chips * lat
+        return lat, dyn
 
     def detailed(self, prefill_tokens: float, prefill_ctx: float, n_decode: float,
                  decode_kv: float) -> tuple[float, float]:
@@ -455,9 +472,9 @@ class StepCostTable:
                                                                 n_decode, decode_kv))
         parts = self.model.parts_local(p, ctx, nd, kv, logits,
                                        (p + nd) * self.model.par.ep)
-        lat = sum(v[0] for v in parts.values()) + STEP_OVERHEAD_S
-        dyn = sum(v[1] for v in parts.values())
-        return lat, dyn + self.static_power_w * self.num_chips * lat
+        return self._with_host(sum(v[0] for v in parts.values()),
+                               sum(v[1] for v in parts.values()),
+                               float(n_decode) + (p > 0))
 
     def fit_error(self, n: int = 300, seed: int = 0) -> dict[str, float]:
         """Max and mean relative error of latency and energy on random mixed steps."""

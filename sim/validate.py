@@ -25,6 +25,7 @@ from dse.builder import DSE, SLO_REFERENCE_CHIPS, BuildOptions, Candidate, slo_r
 from dse.catalog import Catalog, default_catalog
 from dse.costmodel import HBM_USABLE_FRACTION, PHASES
 from dse.errors import NeuScaleError
+from dse.stacks import StackProfile, get_stack
 from dse.models import ModelArch
 from dse.pareto import best_fit, pareto_front
 
@@ -115,12 +116,14 @@ class Validation:
 
 class Validator:
     def __init__(self, arch: ModelArch, catalog: Catalog | None = None, metric: str = "energy",
-                 chips: list[str] | None = None, workers: int = 2):
+                 chips: list[str] | None = None, workers: int = 2,
+                 stack: "StackProfile | str | None" = None):
         self.arch = arch
+        self.stack = get_stack(stack)
         self.catalog = catalog or default_catalog()
         self.metric = metric
         self.chips = self.catalog.resolve(chips)
-        self.dse = DSE(arch, self.catalog)
+        self.dse = DSE(arch, self.catalog, stack=self.stack)
         self.cands = [c for chip in self.chips for c in self.dse.candidates(chip)]
         self.dse.ensure_fits({c.par for c in self.cands}, workers=workers, progress=False)
         self._models: dict[tuple, ChipModel] = {}
@@ -129,7 +132,7 @@ class Validator:
         key = (c.chip.name, c.topo, c.par)
         m = self._models.get(key)
         if m is None:
-            m = self._models[key] = ChipModel(self.arch, c.chip, c.topo, c.par)
+            m = self._models[key] = ChipModel(self.arch, c.chip, c.topo, c.par, self.stack)
         return m
 
     def simulate(self, c: Candidate, phase: str, batch: int, seq_len: int) -> tuple[float, float]:
@@ -189,7 +192,8 @@ class Validator:
         """(roofline SLO, chip-model SLO) for the bucket: the same reference allocation (the
         smallest fitting v5p/v6e vPod at batch 1, best split by the roofline), timed by each."""
         ref = [self.catalog.get(n) for n in SLO_REFERENCE_CHIPS if n in self.catalog.names()]
-        opts = BuildOptions(slo_scale=slo_scale, buckets=(seq_len,), metric=self.metric)
+        opts = BuildOptions(slo_scale=slo_scale, buckets=(seq_len,), metric=self.metric,
+                            stack=self.stack.name)
         lat, cands = slo_references(self.dse, opts, ref, phase)
         sim_lat = self.simulate(cands[0], phase, 1, seq_len)[0]
         return slo_scale * float(lat[0]), slo_scale * sim_lat
@@ -290,6 +294,7 @@ def verify_db(db, arch: ModelArch, catalog: Catalog | None = None,
     from dse.db import BestFitDB
     catalog = catalog or default_catalog()
     metric = db.meta["metric"]
+    stack = db.stack
     entries = []
     for e in db.entries:
         if not e.feasible:
@@ -299,7 +304,8 @@ def verify_db(db, arch: ModelArch, catalog: Catalog | None = None,
         best = None
         for p in sorted(db.pareto_for(e.phase, e.seq_len, e.chip),
                         key=lambda p: -p["efficiency"]):
-            cm = ChipModel.of(arch, catalog, e.chip, p["topology"], p["tp"], p["pp"], p["ep"])
+            cm = ChipModel.of(arch, catalog, e.chip, p["topology"], p["tp"], p["pp"], p["ep"],
+                              stack=stack)
             r = cm.step(e.phase, p["batch"], e.seq_len)
             usd_tok = chip.vpod_usd(cm.par.chips, r.cycle_s) / r.tokens
             cand = (r.latency_s <= e.slo_s, p, r, usd_tok)
@@ -337,6 +343,7 @@ def verify_pareto(db, arch: ModelArch, catalog: Catalog) -> tuple[list[str], dic
     cols = [c for c in db.meta["pareto_columns"] if c not in CHIP_MODEL_COLUMNS]
     keep = [db.meta["pareto_columns"].index(c) for c in cols]
     models: dict[tuple, ChipModel] = {}
+    stack = db.stack
     out = {}
     for key, rows in db.pareto.items():
         phase, edge, chip = key.split("|")
@@ -347,7 +354,7 @@ def verify_pareto(db, arch: ModelArch, catalog: Catalog) -> tuple[list[str], dic
             k = (chip, p["topology"], p["tp"], p["pp"], p["ep"])
             cm = models.get(k)
             if cm is None:
-                cm = models[k] = ChipModel.of(arch, catalog, *k)
+                cm = models[k] = ChipModel.of(arch, catalog, *k, stack=stack)
             r = cm.step(phase, p["batch"], int(edge))
             new_rows.append([row[i] for i in keep]
                             + [r.latency_s, r.throughput_tok_per_s, bool(r.latency_s <= slo)])

@@ -3,7 +3,7 @@ model (``dse verify``: the simulated engines run on it) and cached after the fir
 
 The cache key holds everything the content depends on: the model's fingerprint, the specs of
 the chips (so a ``--chip-file`` that changes a chip gets its own entry), metric, SLO scale,
-chip selection, the cost model's version, the JAX version (XLA's counts) and the source of the
+chip selection, the serving-stack profile, the cost model's version, the JAX version (XLA's counts) and the source of the
 chip model and of the verification. A cached file that no longer loads is rebuilt.
 """
 
@@ -23,13 +23,15 @@ _SOURCES = ("chip.py", "hardware.py", "validate.py")     # what verification run
 
 
 def cache_key(arch: ModelArch, metric: str, slo_scale: float, chips: tuple[str, ...] | None,
-              catalog: Catalog) -> str:
+              catalog: Catalog, stack: str | None = None) -> str:
     from dse.costmodel import MODEL_VERSION
+    from dse.stacks import get_stack
     from dse.xla_cost import jax_version
     used = catalog.resolve(chips)
     h = hashlib.sha256(json.dumps(
         [arch.fingerprint(), [c.to_json() for c in used], metric, repr(float(slo_scale)),
-         MODEL_VERSION, jax_version()], sort_keys=True, default=str).encode())
+         MODEL_VERSION, jax_version(), get_stack(stack).key()], sort_keys=True,
+        default=str).encode())
     here = Path(__file__).resolve().parent
     for f in _SOURCES:
         h.update((here / f).read_bytes())
@@ -38,14 +40,17 @@ def cache_key(arch: ModelArch, metric: str, slo_scale: float, chips: tuple[str, 
 
 def verified_db(arch: ModelArch, metric: str = "energy", slo_scale: float = 5.0,
                 chips: tuple[str, ...] | None = None, catalog: Catalog | None = None,
-                progress=None) -> BestFitDB:
+                progress=None, stack: str | None = None) -> BestFitDB:
+    """``stack``: the serving-stack profile (:mod:`dse.stacks`, default ``vllm-tpu``)."""
     from dse.builder import BuildOptions, build
     from dse.cache import cache_path
 
     from .validate import verify_db
     catalog = catalog or default_catalog()
-    key = cache_key(arch, metric, slo_scale, chips, catalog)
-    path = cache_path("db") / f"{arch.name}-{metric}-{slo_scale:g}-{key}-verified.json"
+    from dse.stacks import get_stack
+    stack = get_stack(stack).name
+    key = cache_key(arch, metric, slo_scale, chips, catalog, stack)
+    path = cache_path("db") / f"{arch.name}-{metric}-{slo_scale:g}-{stack}-{key}-verified.json"
     if path.exists():
         try:
             return BestFitDB.load(path)
@@ -54,7 +59,7 @@ def verified_db(arch: ModelArch, metric: str = "energy", slo_scale: float = 5.0,
     print(f"building and verifying the best-fit database for {arch.name} (cached at {path})",
           file=sys.stderr)
     db = build(arch, BuildOptions(metric=metric, slo_scale=slo_scale, chips=chips,
-                                  progress=progress), catalog=catalog)
+                                  progress=progress, stack=stack), catalog=catalog)
     db = verify_db(db, arch, catalog)
     try:
         db.save(path)

@@ -92,8 +92,9 @@ class TableCache:
     use (from the chip model) and kept in memory and, with ``on_disk``, in the ``stepcost``
     cache."""
 
-    def __init__(self, arch, catalog, on_disk: bool = True):
-        self.arch, self.catalog, self.on_disk = arch, catalog, on_disk
+    def __init__(self, arch, catalog, on_disk: bool = True, stack=None):
+        """``stack``: the serving-stack profile the engines run (default ``vllm-tpu``)."""
+        self.arch, self.catalog, self.on_disk, self.stack = arch, catalog, on_disk, stack
         self._tables: dict[tuple, StepCostTable] = {}
 
     def __call__(self, alloc: tuple) -> StepCostTable:
@@ -103,7 +104,7 @@ class TableCache:
 
             from .chip import ChipModel
             chip, topo, tp, pp, ep = alloc
-            cm = ChipModel.of(self.arch, self.catalog, chip, topo, tp, pp, ep)
+            cm = ChipModel.of(self.arch, self.catalog, chip, topo, tp, pp, ep, stack=self.stack)
             t = self._tables[alloc] = StepCostTable(
                 cm, cache_dir=cache_path("stepcost") if self.on_disk else None)
         return t

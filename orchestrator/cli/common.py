@@ -61,6 +61,16 @@ def add_common(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:
         sp.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def add_stack(sp: argparse.ArgumentParser, default: str | None = "vllm-tpu",
+              what: str = "the serving stack whose software costs the vPods pay") -> None:
+    """``--stack NAME``: a serving-stack profile (:mod:`dse.stacks`)."""
+    from dse.stacks import DEFAULT_STACK, stack_names
+    sp.add_argument("--stack", choices=stack_names(), default=default,
+                    metavar="|".join(stack_names()),
+                    help=f"{what}: per-step and per-sequence host time, per-request time, "
+                         f"attention-kernel efficiency (default {default or DEFAULT_STACK})")
+
+
 def catalog(args: argparse.Namespace):
     from dse.catalog import default_catalog
     return default_catalog(args.chip_file or [])

@@ -13,7 +13,7 @@ from typing import Any
 
 from dse.errors import NeuScaleError
 
-from .common import (add_common, catalog, check_out_dir, check_out_file, chip_list,
+from .common import (add_common, add_stack, catalog, check_out_dir, check_out_file, chip_list,
                      number, positive_float, positive_int, print_json, workers)
 
 
@@ -35,7 +35,8 @@ def cmd_dse_build(args: argparse.Namespace) -> int:
     opts = BuildOptions(metric=args.metric, slo_scale=args.slo_scale,
                         chips=chip_list(cat, args.chips, "--chips"),
                         workers=workers(args.workers), ray_address=args.ray,
-                        max_chips=args.max_chips, progress=None if not args.json else False)
+                        max_chips=args.max_chips, progress=None if not args.json else False,
+                        stack=args.stack)
     log = (lambda s: print(s, file=sys.stderr)) if not args.json else None
     db = build(arch, opts, catalog=cat, log=log)
     warn_if_no_slo_met(db)
@@ -203,7 +204,8 @@ def cmd_dse_validate(args: argparse.Namespace) -> int:
     if args.plot:
         check_out_dir(args.plot, "--plot")
     cat = catalog(args)
-    v = Validator(load_model(args.model), cat, args.metric, chip_list(cat, args.chips, "--chips"))
+    v = Validator(load_model(args.model), cat, args.metric, chip_list(cat, args.chips, "--chips"),
+                  stack=args.stack)
     res = v.validate(args.phase, args.seq_len, args.max_candidates, args.seed)
     out = res.to_json()
     if args.plot:
@@ -296,6 +298,7 @@ def add_parser(sub) -> None:
     b.add_argument("--ray", metavar="ADDRESS",
                    help="lower on a Ray cluster at ADDRESS ('local' starts one); needs "
                         "pip install 'neuscale[ray]'")
+    add_stack(b)
     add_common(b)
     b.set_defaults(func=cmd_dse_build)
 
@@ -379,5 +382,6 @@ def _add_validate(dsub, defaults) -> None:
                     help="also Fig. 11: per bucket, chip-model efficiency of the roofline's best "
                          "fit over the chip model's own best (all 48 buckets; minutes)")
     va.add_argument("--plot", metavar="DIR", help="write the Fig. 9/10 PNGs here")
+    add_stack(va)
     add_common(va)
     va.set_defaults(func=cmd_dse_validate)

@@ -12,7 +12,7 @@ from typing import Any
 
 from dse.errors import NeuScaleError
 
-from .common import (add_common, catalog, check_out_dir, chip_list, clean_json, fraction,
+from .common import (add_common, add_stack, catalog, check_out_dir, chip_list, clean_json, fraction,
                      json_default,
                      number, positive_float, print_json, progress_bar)
 from .dse import warn_if_no_slo_met
@@ -141,7 +141,8 @@ def _database(args, arch, cat):
         d = BuildOptions(workers=1)
         db = verified_db(arch, args.metric or d.metric,
                          args.slo_scale if args.slo_scale is not None else d.slo_scale, None,
-                         cat, progress=None if not args.json else False)
+                         cat, progress=None if not args.json else False,
+                         stack=args.stack or d.stack)
         warn_if_no_slo_met(db)
         return db
     db = BestFitDB.load(args.db)
@@ -154,6 +155,10 @@ def _database(args, arch, cat):
         raise NeuScaleError(f"--slo-scale {args.slo_scale:g} contradicts --db, whose SLOs are "
                             f"{db.meta.get('slo_scale')} x the reference latency: drop "
                             "--slo-scale or build a database with it")
+    if args.stack is not None and args.stack != db.stack.name:
+        raise NeuScaleError(f"--stack {args.stack} contradicts --db, which was built for the "
+                            f"{db.stack.name} serving stack: drop --stack or build a database "
+                            f"with `orchestrator dse build --stack {args.stack}`")
     return db
 
 
@@ -166,7 +171,7 @@ def _run_policy(args, name: str, arch, db, cat, trace, quotas, phase_chips, fail
 
     from ..cluster import ClusterConfig, ClusterSim, ideal_at_load_report, ideal_report
     arr, inp, out_t = trace
-    pricer = ChipModelPricer(arch, cat)
+    pricer = ChipModelPricer(arch, cat, db.stack)
     if name in ("ideal", "ideal-at-load"):
         extra: dict = {}
         if name == "ideal":
@@ -315,5 +320,7 @@ def add_parser(sub) -> None:
                          f"(default {cluster.max_span_s / 3600:g} h)")
     sm.add_argument("--out", metavar="DIR",
                     help="write summary.json, timelines (CSV) and plots (PNG) here")
+    add_stack(sm, default=None, what="of the default database and the engines (with --db the "
+              "database's own, which an explicit --stack must match)")
     add_common(sm)
     sm.set_defaults(func=cmd_simulate)

@@ -151,7 +151,8 @@ def ideal_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens, output
             if e is None or not e.feasible:
                 raise NeuScaleError(f"no {phase} best fit at {length} tokens")
             c = catalog.get(e.chip)
-            cm = ChipModel.of(arch, catalog, e.chip, e.topology, e.tp, e.pp, e.ep)
+            cm = ChipModel.of(arch, catalog, e.chip, e.topology, e.tp, e.pp, e.ep,
+                              stack=db.stack)
             r = cm.step(phase, e.max_batch, db.edges[i])
             cache[key] = (r.energy_j / r.tokens, c.vpod_usd(e.num_chips, r.cycle_s) / r.tokens,
                           e.latency_s)

@@ -179,7 +179,8 @@ class ClusterSim:
             if getattr(pol, "latency_fn", False) is None:
                 pol.latency_fn = self.latency_of
         self.rng = np.random.default_rng(config.seed)
-        self.tables = TableCache(arch, self.catalog, on_disk=config.cache_tables)
+        self.tables = TableCache(arch, self.catalog, on_disk=config.cache_tables,
+                                 stack=db.stack)
         self.fleet = Fleet(arch, self.catalog, self.rng, self.table, config.max_batched_tokens)
         self._kv_bytes = arch.kv_bytes_per_token()
         self._draws: list[float] = []

@@ -1,0 +1,171 @@
+"""Serving-stack profiles: the software costs a chip model cannot know.
+
+A vPod's step time is what its chips do (the roofline, :mod:`sim.chip`) plus what the serving
+stack around them adds. A profile names those additions for one stack; the DSE (``dse build
+--stack``), the chip model, the step-cost tables, the simulated engines and ``orchestrator sim
+bench`` all take one, and a best-fit database records the profile it was built for.
+
+Fields (SI units):
+
+* ``step_s`` - host/framework time per engine step on the critical path: the scheduler, input
+  preparation, dispatch of the jitted step, the device-to-host copy of the sampled tokens.
+* ``per_seq_s`` - host time per sequence in a step (scheduler bookkeeping, output processing,
+  detokenisation when it is not overlapped with the next step) and on-device sampling.
+* ``request_s`` - per request, before it reaches the engine and not occupying it: HTTP, chat
+  template, tokenisation, admission. It adds to the client's TTFT (``sim bench``), not to the
+  engine's busy time.
+* ``overlap`` - the host prepares step n+1 while the device runs step n (vLLM's async
+  scheduling, sglang's overlap scheduler): a step takes the longer of device and host time
+  instead of their sum.
+* ``attn_decode_eff`` / ``attn_prefill_eff`` - the attention kernels' achieved fraction of what
+  the chip model's kernels reach (ragged paged attention: page gathers, padding of ragged
+  batches, grid overheads). The chip model's attention operators take ``time / eff``.
+
+Every constant cites the measurement it is derived from (``sources``); the derivations are in
+the README ("Serving-stack profiles"). ``none`` is the bare chip model (no stack at all), for
+checks that must see the hardware alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import NeuScaleError
+
+
+@dataclass(frozen=True)
+class StackProfile:
+    name: str
+    step_s: float
+    per_seq_s: float
+    request_s: float
+    attn_decode_eff: float = 1.0
+    attn_prefill_eff: float = 1.0
+    overlap: bool = False
+    description: str = ""
+    sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for k in ("step_s", "per_seq_s", "request_s"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and 0 <= v < 10):
+                raise NeuScaleError(f"stack {self.name!r}: {k} must be in [0, 10) s (got {v!r})")
+        for k in ("attn_decode_eff", "attn_prefill_eff"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise NeuScaleError(f"stack {self.name!r}: {k} must be in (0, 1] (got {v!r})")
+
+    def step_overhead_s(self, seqs: float) -> float:
+        """Host time of one engine step that schedules ``seqs`` sequences."""
+        return self.step_s + self.per_seq_s * seqs
+
+    def step_time_s(self, device_s: float, seqs: float) -> float:
+        """A step's wall time from its device time: plus the host time, or with ``overlap``
+        (async scheduling: the host prepares step n+1 while the device runs step n) the
+        longer of the two."""
+        host = self.step_overhead_s(seqs)
+        return max(device_s, host) if self.overlap else device_s + host
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("sources")
+        d.pop("description")
+        return d
+
+    def key(self) -> str:
+        """What decides the numbers (cache keys, a database's record)."""
+        return json.dumps(self.to_json(), sort_keys=True)
+
+
+# ---- the built-in profiles --------------------------------------------------------------------
+# Each number is derived in the README ("Serving-stack profiles") from the measurement cited.
+
+NONE = StackProfile("none", 0.0, 0.0, 0.0, description="the bare chip model: no software cost")
+
+# vLLM on TPU (tpu-inference, JAX backend), what the tpu backend launches.
+VLLM_TPU = StackProfile(
+    "vllm-tpu",
+    # host time per step: vLLM TPU (V1, synchronous scheduler) Llama3.1-8B on one v6e,
+    # 1000 x 1799/<=128 tokens, max-num-batched-tokens 512: mean TPOT 32.89 ms against the
+    # chip model's 27.4 ms device time -> 5.5 ms (tpu-inference PR #47 / pytorch/xla PR #9376)
+    step_s=5.5e-3,
+    per_seq_s=0.0,      # V1 detokenises in the API-server process, off the engine's step
+    # TTFT beyond the engine: Llama3.3-70B on v6e-8, 64 clients, 999/1000 tokens, median TTFT
+    # 198.8 ms (tpu-recipes Llama3.x README, vllm-tpu v0.12.0); includes the async
+    # scheduler's one-step delay of the first token
+    request_s=0.030,
+    # ragged paged attention: up to 86 % of HBM bandwidth in decode (arXiv 2604.15464, Llama3
+    # 8B on TPU7x) against the chip model's 90 % streaming efficiency
+    attn_decode_eff=0.96,
+    # --async-scheduling (tpu-recipes' command line; tpu-inference PR #924: +39 % req/s on
+    # Llama3.2-1B): host work overlaps the device step - the 70B rows show no exposed host time
+    overlap=True,
+    description="vLLM TPU (tpu-inference, JAX; async scheduling, ragged paged attention)",
+    sources={"step_s": "tpu-inference PR #47 (Llama3.1-8B, v6e-1, TPOT 32.89 ms)",
+             "request_s": "tpu-recipes Llama3.x README (Llama3.3-70B v6e-8, TTFT p50 198.8 ms)",
+             "attn_decode_eff": "arXiv 2604.15464 (RPA: up to 86 % MBU in decode)",
+             "overlap": "tpu-inference PR #924 (async scheduler)"})
+
+# JetStream (MaxText engine): prefill and generate steps interleaved, no chunking.
+JETSTREAM = StackProfile(
+    "jetstream",
+    # Llama3-8B bf16 on v5e-8, batch 128: 8249 tok/s = 15.5 ms per decode step against the
+    # chip model's 11.4 ms device time at KV 1024 (AI-Hypercomputer/JetStream benchmarks)
+    step_s=4.1e-3, per_seq_s=0.0,
+    request_s=0.0,      # no published TTFT to derive it from: not modelled
+    description="JetStream with the MaxText engine (no published TTFT: request_s 0)",
+    sources={"step_s": "JetStream benchmarks (Llama3-8B v5e-8 batch 128: 8249 tok/s)"})
+
+# sglang-jax: overlap scheduler on by default, ragged paged attention.
+SGLANG_JAX = StackProfile(
+    "sglang-jax",
+    # Llama3.1-8B on v6e-4 (TP 4), 16 clients, lengths uniform 1-512: mean TPOT 9.94 ms where
+    # the chip model's device step is ~5 ms - with the overlap scheduler the step is the
+    # host's 9.9 ms (sglang-jax cookbook Llama3.1.md, build 0.1.0)
+    step_s=9.9e-3, per_seq_s=0.0,
+    # the same run's mean TTFT 35.3 ms
+    request_s=0.010,
+    attn_decode_eff=0.96,   # the same ragged paged attention kernel as vLLM TPU
+    overlap=True,
+    description="sglang-jax (overlap scheduler, ragged paged attention)",
+    sources={"step_s": "sglang-jax cookbook Llama3.1.md (8B v6e-4: TPOT 9.94 ms)",
+             "request_s": "sglang-jax cookbook Llama3.1.md (8B v6e-4: TTFT 35.3 ms)",
+             "attn_decode_eff": "arXiv 2604.15464 (RPA: up to 86 % MBU in decode)"})
+
+PROFILES: dict[str, StackProfile] = {p.name: p for p in (VLLM_TPU, JETSTREAM, SGLANG_JAX, NONE)}
+DEFAULT_STACK = "vllm-tpu"
+
+
+def stack_names() -> list[str]:
+    return list(PROFILES)
+
+
+def get_stack(name: "str | StackProfile | None" = None) -> StackProfile:
+    """The profile named ``name`` (``None``: the default, ``vllm-tpu``); one clear error for an
+    unknown name."""
+    if isinstance(name, StackProfile):
+        return name
+    key = DEFAULT_STACK if name is None else str(name).strip().lower()
+    try:
+        return PROFILES[key]
+    except KeyError:
+        raise NeuScaleError(f"unknown serving stack {name!r}: choose one of "
+                            f"{', '.join(PROFILES)}") from None
+
+
+def stack_of(meta: dict[str, Any]) -> StackProfile:
+    """The profile a best-fit database (its ``meta``) was built for. A database from before
+    profiles, or built with other values under the same name, is refused: its latencies,
+    SLOs and best fits hold another stack's software time."""
+    rec = meta.get("stack")
+    if not isinstance(rec, dict) or not isinstance(rec.get("name"), str):
+        raise NeuScaleError("the best-fit database records no serving stack (it was built by an "
+                            "older NeuScale): rebuild it with `orchestrator dse build`")
+    p = get_stack(rec["name"])
+    if p.to_json() != rec:
+        raise NeuScaleError(f"the best-fit database was built with other values of the "
+                            f"{p.name!r} serving-stack profile than this NeuScale has: rebuild "
+                            "it with `orchestrator dse build`")
+    return p
