@@ -543,10 +543,14 @@ class Engine(EngineBase):
     def __init__(self, cost: StepCost, mode: Mode = "mixed", max_batch: int = 256,
                  max_batched_tokens: int = 8192, block_tokens: int = 16, exact: bool = False,
                  *, start_s: float | None = 0.0, max_run_steps: int = 4096,
-                 max_phase_steps: int | None = None) -> None:
+                 max_phase_steps: int | None = None, chunked_prefill: bool = True) -> None:
         """``start_s``: when the vPod came up (idle energy and chip-seconds count from there;
         ``None``: from the first request's arrival). ``max_run_steps`` (old name
-        ``max_phase_steps``) caps the length of a vectorised run of decode steps."""
+        ``max_phase_steps``) caps the length of a vectorised run of decode steps.
+        ``chunked_prefill=False``: the scheduler of vLLM without chunked prefill (and of
+        JetStream's interleaved mode) - a prompt is prefilled whole in one step, and a step
+        that prefills runs no decodes (prefill first whenever a waiting prompt fits); a
+        prompt longer than ``max_batched_tokens`` is refused at submission."""
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         max_run_steps = max_run_steps_arg(max_run_steps, max_phase_steps)
@@ -556,6 +560,7 @@ class Engine(EngineBase):
         self.mode: Mode = mode
         self.exact = exact
         self.max_run_steps = max_run_steps
+        self.chunked_prefill = bool(chunked_prefill)
         self._running: list[Request] = []          # admission order
         self._requests: dict[Hashable, Request] = {}
         self._finished: list[Request] = []
@@ -571,6 +576,12 @@ class Engine(EngineBase):
         if kv_ready_tokens < 0:
             raise ValueError("need kv_ready_tokens >= 0")
         self._check_request(req_id, arrival_s, prompt_tokens, output_tokens, self.mode)
+        if (not self.chunked_prefill and self.mode != "decode"
+                and prompt_tokens - min(kv_ready_tokens, prompt_tokens - 1)
+                > self.max_batched_tokens):
+            raise ValueError(f"request {req_id!r}: a prompt of {prompt_tokens} tokens needs "
+                             f"max_batched_tokens >= {prompt_tokens} without chunked prefill "
+                             f"(it is {self.max_batched_tokens})")
         r = Request(req_id, float(arrival_s), int(prompt_tokens), int(output_tokens),
                     int(kv_ready_tokens))
         if self.mode == "decode":
@@ -742,6 +753,10 @@ class Engine(EngineBase):
         """Decide the step starting now (see the module docstring); mutates nothing but the
         arrival of due requests into the waiting queue."""
         self._move_arrivals(self._clock_s)
+        if not self.chunked_prefill:
+            whole = self._plan_whole_prefill()
+            if whole is not None:
+                return whole
         alive, victims, decode, free = self._plan_decodes()
         tokens_left = self.max_batched_tokens - len(decode)
         prefill: list[tuple[Request, int]] = []
@@ -757,6 +772,8 @@ class Engine(EngineBase):
             for r in self._waiting:
                 if n_seqs >= self.max_batch or tokens_left <= 0:
                     break
+                if r.prefill_left > 0 and not self.chunked_prefill:
+                    break                       # prompts go whole, in a prefill step
                 need = self._admit_blocks(r)
                 if need > free:
                     break
@@ -777,6 +794,32 @@ class Engine(EngineBase):
         decode_kv = sum(r.kv_tokens + 1 for r, _ in decode)
         return _StepPlan(victims, admits, decode, prefill, prefill_tokens, prefill_ctx,
                          decode_kv, swap_tokens * self._swap_s_per_token)
+
+    def _plan_whole_prefill(self) -> _StepPlan | None:
+        """Without chunked prefill: a step prefilling whole prompts from the head of the queue
+        (FCFS, within the sequence, token and block limits), no decodes; None when the head
+        is not a prompt that fits now."""
+        free, tokens_left, n_seqs = self.free, self.max_batched_tokens, len(self._running)
+        admits: list[tuple[Request, int]] = []
+        swap_tokens = 0
+        for r in self._waiting:
+            if r.prefill_left == 0 or n_seqs >= self.max_batch or r.prefill_left > tokens_left:
+                break
+            need = self._admit_blocks(r)
+            if need > free:
+                break
+            free -= need
+            n_seqs += 1
+            tokens_left -= r.prefill_left
+            admits.append((r, need))
+            if r.swapped:
+                swap_tokens += r.kv_tokens
+        if not admits:
+            return None
+        prefill = [(r, r.prefill_left) for r, _ in admits]
+        return _StepPlan([], admits, [], prefill, sum(c for _, c in prefill),
+                         float(sum(c * r.kv_tokens + c * (c + 1) / 2 for r, c in prefill)), 0,
+                         swap_tokens * self._swap_s_per_token)
 
     def _execute(self, plan: _StepPlan, latency_s: float, energy_j: float) -> None:
         """Apply one general step of ``latency_s`` (swap time included) to the state."""
