@@ -80,6 +80,9 @@ class ChipSpec:
     ici_j_per_byte: float = ICI_J_PER_BYTE_DEFAULT
     ici_hop_latency_s: float = ICI_HOP_LATENCY_S_DEFAULT
     min_slice_chips: int = 1        # smallest slice Cloud TPU sells of this version
+    # highest chip power measured on real workloads, where one is published (None: none is):
+    # no step is modelled to draw more (see :meth:`power_capped_j`)
+    measured_max_power_w: float | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- derived per-unit energies (Fig. 8b) -------------------------------------------------
@@ -90,6 +93,18 @@ class ChipSpec:
     @property
     def e_hbm_j_per_byte(self) -> float:
         return 1.0 / self.max_hbm_bytes_per_j - self.static_power_w / self.hbm_bw_bytes_per_s
+
+    def power_capped_j(self, energy_j, num_chips, seconds):
+        """``energy_j`` of ``num_chips`` over ``seconds``, bounded by the measured maximum
+        power where one is published (numpy-friendly). The per-unit energies come from Table
+        2's *modelled* peak efficiencies; where a measured maximum exists it wins: a step that
+        would draw more is priced at that power (its time is the model's)."""
+        if self.measured_max_power_w is None:
+            return energy_j
+        import numpy as np
+        return np.minimum(energy_j, self.measured_max_power_w * num_chips * seconds) \
+            if isinstance(energy_j, np.ndarray) else \
+            min(energy_j, self.measured_max_power_w * num_chips * seconds)
 
     @property
     def all_names(self) -> tuple[str, ...]:
@@ -178,6 +193,12 @@ def _field_problems(v: Mapping[str, Any]) -> list[str]:
     x = v.get("static_power_w")
     if not (_is_number(x) and math.isfinite(x) and x >= 0):
         out.append(f"static_power_w must be a number >= 0 (got {_show(x)})")
+    x = v.get("measured_max_power_w")
+    if x is not None and not (_is_number(x) and math.isfinite(x) and x > 0):
+        out.append(f"measured_max_power_w must be a positive number or null (got {_show(x)})")
+    elif x is not None and _is_number(v.get("static_power_w")) and x <= v["static_power_w"]:
+        out.append(f"measured_max_power_w ({x:g} W) must exceed static_power_w "
+                   f"({v['static_power_w']:g} W)")
     x = v.get("torus_dims")
     if not (isinstance(x, int) and not isinstance(x, bool) and x in (2, 3)):
         out.append(f"torus_dims must be 2 or 3 (got {_show(x)})")
@@ -212,6 +233,9 @@ _T2 = "paper Table 2"
 _PRICE = "Cloud TPU pricing page, on-demand, us-central (USD per chip-hour)"
 _HOST = "Cloud TPU system architecture docs (chips per host VM)"
 _ACC = "Cloud TPU docs, accelerator types (v4/v5p count TensorCores, 2 per chip; v5e/v6e count chips)"
+# Jouppi et al., "TPU v4: An Optically Reconfigurable Supercomputer...", ISCA 2023: measured
+# chip power min/mean/max 90/170/192 W. v5e, v5p, v6e: Google publishes no per-chip power.
+_V4_POWER = "Jouppi et al., ISCA 2023: TPU v4 measured power min/mean/max 90/170/192 W per chip"
 _WRAP = ("Cloud TPU docs: v4/v5p slices made of whole 4x4x4 cubes get wrap-around (torus) links; "
          "v5e/v6e only the full 16x16 pod")
 
@@ -243,7 +267,9 @@ BUILTIN_CHIPS: tuple[ChipSpec, ...] = (
         accelerator_prefix="v4", accelerator_count_unit="cores",    # _ACC (v4-8 = 4 chips)
         min_slice_chips=4,                                          # _ACC: smallest is v4-8
         price_usd_per_chip_hour=3.22,                               # _PRICE
-        sources={"specs": _T2, "price": _PRICE, "host": _HOST, "naming": _ACC, "wrap": _WRAP},
+        measured_max_power_w=192.0,                                 # _V4_POWER
+        sources={"specs": _T2, "price": _PRICE, "host": _HOST, "naming": _ACC, "wrap": _WRAP,
+                 "power": _V4_POWER},
     ),
     _builtin(
         name="v5e", aliases=("NPU-B", "v5litepod", "tpu-v5e", "tpuv5e", "tpu-v5-lite-podslice"),

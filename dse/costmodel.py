@@ -10,7 +10,8 @@ derives, per chip and per pipeline stage:
   its input activations and writes its outputs once; attention reads the KV cache once in decode
   and once per 512-token query block in prefill (flash attention); MoE layers read only the
   weights of experts that receive at least one token;
-* ICI time/bytes analytically: TP all-reduce (2 per layer), EP all-to-all (dispatch + combine per
+* ICI time/bytes analytically (TP all-reduces hide under the stage's compute but for the first
+  of their ``tp`` pieces, as XLA's collective matmul overlaps them): TP all-reduce (2 per layer), EP all-to-all (dispatch + combine per
   MoE layer), LM-head logit all-gather, PP activation send - ring algorithms per torus
   dimension, bidirectional where the slice has wrap-around links, plus a per-hop latency
   (coefficients from :mod:`dse.torus`; the split and its stages from :mod:`dse.parallel`).
@@ -60,7 +61,7 @@ FLASH_Q_BLOCK = 512
 PREFILL_CHUNK_TOKENS = 8192
 B2 = BYTES_PER_PARAM  # bf16 activations and KV cache
 # Version of the cost model's physics: databases built by an older one are rebuilt (cache keys).
-MODEL_VERSION = 3       # 2: prefill KV of every batch in flight in the pipeline; 3: stack time
+MODEL_VERSION = 4       # 2: prefill KV in flight; 3: stack time; 4: overlap, measured power
 
 REASONS = ("weights", "kv_cache", "activations")
 BOUNDS = ("compute", "memory", "ici")
@@ -81,6 +82,9 @@ class StageWork:
     kv_bytes: np.ndarray
     act_bytes: np.ndarray
     xla_bytes: np.ndarray
+    # share of the stage's weights in the matmuls whose outputs the TP all-reduces carry
+    # (o_proj, down_proj, the shared expert's down): the compute a reduction can hide under
+    pair_frac: float = 0.0
 
 
 @dataclass
@@ -238,8 +242,15 @@ class CostModel:
             xb = xb + L.xla_bytes["lm_head"]
         weights = stage_weights(W, d, n_dense, n_moe, has_embed, has_lm)
         kv = nl * g.seqs_chip * g.S * L.kv_elems * B2
+        if d.is_mla:
+            o_proj = d.heads * d.v_dim * d.hidden
+        else:
+            o_proj = d.heads * d.head_dim * d.hidden
+        paired = (nl * o_proj + n_dense * d.hidden * d.inter
+                  + n_moe * d.hidden * d.shared_inter) * B2
         return StageWork(count, cf, cb, self._stage_collectives(par, g, d, nl, n_moe, has_lm),
-                         float(weights), kv, L.act_peak * g.ones, xb)
+                         float(weights), kv, L.act_peak * g.ones, xb,
+                         float(paired / weights) if weights else 0.0)
 
     def _stage_collectives(self, par: Parallelism, g: "_Grid", d: ShardDims, nl: int,
                            n_moe: int, has_lm: bool) -> list[tuple[str, int, np.ndarray]]:
@@ -357,6 +368,7 @@ class StageOnChip:
     dyn_j: np.ndarray       # per chip, FLOP + HBM energy
     coll_n: dict[str, float]        # collective kind -> calls per step
     coll_m: dict[str, np.ndarray]   # collective kind -> sum of message bytes
+    pair_frac: float = 0.0          # see StageWork
 
 
 @dataclass
@@ -389,7 +401,8 @@ def on_chip(work: Work, chip: ChipSpec) -> OnChip:
             cn[kind] = cn.get(kind, 0) + count
             cm[kind] = cm.get(kind, 0.0) + count * msg
         dyn = fl * chip.e_flop_j + by * chip.e_hbm_j_per_byte
-        stages.append(StageOnChip(st.n_stages, comp_t, tc, tm, fl, by, st.xla_bytes, dyn, cn, cm))
+        stages.append(StageOnChip(st.n_stages, comp_t, tc, tm, fl, by, st.xla_bytes, dyn, cn, cm,
+                                  st.pair_frac))
         mst = st.weights_bytes + st.kv_bytes + st.act_bytes
         mem = mst if mem is None else np.maximum(mem, mst)
         kv = st.kv_bytes if kv is None else np.maximum(kv, st.kv_bytes)
@@ -400,11 +413,19 @@ def on_chip(work: Work, chip: ChipSpec) -> OnChip:
     return OnChip(work, chip, stages, mem, weights, feasible, reason)
 
 
-def _ici(st: StageOnChip, colls):
+def _ici(st: StageOnChip, colls, tp: int = 1):
+    """A stage's exposed ICI time and bytes. TP all-reduces overlap the matmuls that feed them
+    (XLA's async collectives / collective matmul; simple form): their transfer hides under
+    the stage's compute time times the share of its weights in those matmuls, except the
+    first of ``tp`` pieces; hop latency stays exposed. The chip model pairs each all-reduce
+    with its own matmul (:mod:`sim.chip`)."""
     t = b = 0.0
     for kind, n in st.coll_n.items():
         c, m = colls[kind], st.coll_m[kind]
-        t = t + (c.alpha_s * n + c.beta_s_per_byte * m)
+        transfer = c.beta_s_per_byte * m
+        if kind == "ar" and tp > 1:
+            transfer = np.maximum(transfer / tp, transfer - st.comp_t * st.pair_frac)
+        t = t + (c.alpha_s * n + transfer)
         b = b + c.gamma * m
     return t, b
 
@@ -421,7 +442,7 @@ def _timing(oc: OnChip, colls):
     dyn_total = 0.0
     t_sum = 0.0
     for i, st in enumerate(oc.stages):
-        it, ib = _ici(st, colls)
+        it, ib = _ici(st, colls, par.tp)
         ici.append((it, ib))
         t = st.comp_t + it
         t_sum = t_sum + st.n_stages * t
@@ -456,7 +477,9 @@ def _schedule(oc: OnChip, t_stage, dyn_total, t_sum, stack: StackProfile):
         cycle = np.maximum(step(t_sum), step(m * t_stage))
         latency = cycle
         tokens = w.B * np.ones_like(w.S)
-    energy = dyn_total * m + chip.static_power_w * par.chips * cycle
+    # bounded by the chip's measured maximum power where one is published (v4)
+    energy = chip.power_capped_j(dyn_total * m + chip.static_power_w * par.chips * cycle,
+                                 par.chips, cycle)
     cost = chip.vpod_usd(par.chips, cycle)
     return latency, cycle, tokens, energy, cost
 

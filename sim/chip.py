@@ -180,8 +180,18 @@ class ChipModel:
         t = c.alpha_s + c.beta_s_per_byte * msg_bytes / eff + COLLECTIVE_LAUNCH_S
         return Op(name, "ICI", t, ici_bytes=c.gamma * msg_bytes, sram_bytes=2 * msg_bytes)
 
-    def allreduce(self, name: str, msg_bytes: float) -> Op:
-        return self._collective(name, self._ar, self.par.tp, msg_bytes)
+    def allreduce(self, name: str, msg_bytes: float, under: Op | None = None) -> Op:
+        """A TP all-reduce; ``under``: the matmul whose output it reduces. XLA overlaps the two
+        (async collectives; collective matmul decomposes the matmul and the reduction into
+        ``tp`` steps, each step's transfer running under the next step's compute), so only the
+        collective's latency (hops, launch), the first of its ``tp`` transfer steps and whatever
+        transfer outlasts the matmul stay exposed (:func:`exposed_collective_s`)."""
+        op = self._collective(name, self._ar, self.par.tp, msg_bytes)
+        if under is not None and op.time_s > 0:
+            fixed = self._ar.alpha_s + COLLECTIVE_LAUNCH_S
+            op.time_s = fixed + exposed_collective_s(op.time_s - fixed, under.time_s,
+                                                     self.par.tp)
+        return op
 
     def alltoall(self, name: str, msg_bytes: float) -> Op:
         return self._collective(name, self._a2a, self.par.ep, msg_bytes)
@@ -289,7 +299,7 @@ class ChipModel:
                                 2 * t * (d.heads + d.kv_heads) * hd * B2)]
             ops += self.attention(p_tokens, p_ctx, n_dec, dec_kv)
             ops.append(self.matmul("o_proj", t, d.heads * hd, H))
-        ops.append(self.allreduce("attn_allreduce", t * H * B2))
+        ops.append(self.allreduce("attn_allreduce", t * H * B2, under=ops[-1]))
         return ops
 
     def mlp_block(self, t: float) -> list[Op]:
@@ -297,8 +307,8 @@ class ChipModel:
         return [self.vector("mlp_norm", t * H, 4, 2 * t * H * B2),
                 self.matmul("gate_up_proj", t, H, 2 * d.inter),
                 self.vector("swiglu", t * d.inter, 6, 3 * t * d.inter * B2),
-                self.matmul("down_proj", t, d.inter, H),
-                self.allreduce("mlp_allreduce", t * H * B2)]
+                down := self.matmul("down_proj", t, d.inter, H),
+                self.allreduce("mlp_allreduce", t * H * B2, under=down)]
 
     def moe_block(self, t: float, stage_tokens: float) -> list[Op]:
         """``t`` tokens through this chip's attention DP group; ``stage_tokens`` in the whole
@@ -330,7 +340,8 @@ class ChipModel:
                                 3 * n * M * d.moe_inter * B2),
                     self.matmul(f"experts_{nm}_down", M, d.moe_inter, H, groups=n)]
         ops.append(self.alltoall("combine_a2a", t * k * H * B2 * (self.par.ep - 1) / self.par.ep))
-        ops.append(self.allreduce("moe_allreduce", t * H * B2))
+        shared = next((o for o in ops if o.name == "shared_down"), None)
+        ops.append(self.allreduce("moe_allreduce", t * H * B2, under=shared))
         return ops
 
     def head(self, n_logits: float) -> list[Op]:
@@ -410,7 +421,8 @@ class ChipModel:
         seqs = n_decode + (n_prefill_seqs or (1.0 if prefill_tokens > 0 else 0.0))
         latency = self.stack.step_time_s(sum(times), seqs)
         slow_ops = max(all_ops, key=lambda x: x[0])[1]
-        energy += self.hw.static_power_w * self.par.chips * latency
+        energy = self.chip.power_capped_j(energy + self.hw.static_power_w * self.par.chips
+                                          * latency, self.par.chips, latency)
         return StepResult(latency, latency, energy, prefill_tokens + n_decode,
                           _bound(slow_ops), slow_ops, times)
 
@@ -444,7 +456,8 @@ class ChipModel:
             cycle = latency
         static = self.hw.static_power_w * self.par.chips
         dyn = (r.energy_j - static * r.latency_s) * m
-        return StepResult(latency, cycle, dyn + static * cycle, tokens, r.bound, r.ops, stages,
+        energy = self.chip.power_capped_j(dyn + static * cycle, self.par.chips, cycle)
+        return StepResult(latency, cycle, energy, tokens, r.bound, r.ops, stages,
                           self.memory_bytes(phase, batch, seq_len))
 
     # ---- memory ---------------------------------------------------------------------------
@@ -464,6 +477,13 @@ class ChipModel:
         layers = max(n_d + n_m for n_d, n_m, *_ in self.stages)
         free = usable_fraction * self.chip.hbm_bytes - self.weights_bytes()
         return max(0, int(free // (kv_tok * layers))) * self.par.ep
+
+
+def exposed_collective_s(transfer_s: float, producer_s: float, steps: int) -> float:
+    """Transfer time of a collective left exposed when it overlaps the matmul that produces
+    its data (``producer_s``), decomposed into ``steps`` pieces: the first piece cannot hide,
+    the rest hide under the compute up to its length."""
+    return max(transfer_s / max(steps, 1), transfer_s - producer_s)
 
 
 CATEGORIES = ("tok", "prefill_attn", "decode_attn", "head")

@@ -164,6 +164,9 @@ class StepCostTable:
         # the serving stack's software time per step and per scheduled sequence
         self._oh_step, self._oh_seq = cm.stack.step_s, cm.stack.per_seq_s
         self._overlap = cm.stack.overlap
+        # the measured maximum power bounds every step's energy (dse.catalog.ChipSpec)
+        mp = cm.chip.measured_max_power_w
+        self._pmax_w = math.inf if mp is None else mp * self.num_chips
 
     def _cell(self, table: str, i: int, j: int = 0) -> tuple[float, float]:
         """(latency, dynamic energy) of one grid cell of a table, from the chip model."""
@@ -330,7 +333,8 @@ class StepCostTable:
         dyn = dyn + np.where(has_d, _interp2(gs2, gc, ed, nd, per_d), 0.0)
         host = self._oh_step + self._oh_seq * (np.asarray(n_decode, dtype=np.float64) + has_p)
         lat = np.maximum(lat, host) if self._overlap else lat + host
-        return lat, dyn + self.static_power_w * self.num_chips * lat
+        return lat, np.minimum(dyn + self.static_power_w * self.num_chips * lat,
+                               self._pmax_w * lat)
 
     def step1(self, prefill_tokens: float, prefill_ctx: float, n_decode: float,
               decode_kv: float) -> tuple[float, float]:
@@ -355,7 +359,8 @@ class StepCostTable:
             lat = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j]))
             lat = (lat if lat > oh else oh) if ov else lat + oh
             out.append(lat)
-            out.append(row[1] + math.exp(er[j] + f * (er[j + 1] - er[j])) + w * lat)
+            e = row[1] + math.exp(er[j] + f * (er[j + 1] - er[j])) + w * lat
+            out.append(e if e < self._pmax_w * lat else self._pmax_w * lat)
         return out[0], out[1], out[2], out[3]
 
     def _decode_run(self, nd_glob: float, kv: np.ndarray):
@@ -376,7 +381,8 @@ class StepCostTable:
         att_e = np.exp(np.interp(ly, gc, dyn_row))
         host = self._oh_step + self._oh_seq * nd_glob
         lat = np.maximum(lat0 + att, host) if self._overlap else lat0 + att + host
-        return lat, dyn0 + att_e + self.static_power_w * self.num_chips * lat
+        return lat, np.minimum(dyn0 + att_e + self.static_power_w * self.num_chips * lat,
+                               self._pmax_w * lat)
 
     def _decode_row(self, nd_glob: float) -> tuple:
         """Everything of a decode-only step of ``nd_glob`` sequences but the KV length: the
@@ -404,7 +410,8 @@ class StepCostTable:
         two; static power over the whole step."""
         host = self._oh_step + self._oh_seq * seqs
         lat = (dev if dev > host else host) if self._overlap else dev + host
-        return lat, dyn + self.static_power_w * self.num_chips * lat
+        e = dyn + self.static_power_w * self.num_chips * lat
+        return lat, (e if e < self._pmax_w * lat else self._pmax_w * lat)
 
     def _step_scalar(self, p: float, ctx: float, nd_glob: float, kv: float):
         if p == 0.0 and nd_glob > 0.0 and kv > 0.0:      # decode-only: the common case
@@ -417,8 +424,9 @@ class StepCostTable:
             dev = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j]))
             host = self._oh_step + self._oh_seq * nd_glob
             lat = (dev if dev > host else host) if self._overlap else dev + host
-            dyn = row[1] + math.exp(er[j] + f * (er[j + 1] - er[j]))
-            return lat, dyn + self.static_power_w * self.num_chips * lat
+            e = (row[1] + math.exp(er[j] + f * (er[j + 1] - er[j]))
+                 + self.static_power_w * self.num_chips * lat)
+            return lat, (e if e < self._pmax_w * lat else self._pmax_w * lat)
         if nd_glob == 0.0 and p > 0.0:                  # prefill-only (P/D prefill vPods)
             got = self._prefill_memo.get((p, ctx))
             if got is not None:
