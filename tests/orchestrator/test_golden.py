@@ -1,9 +1,10 @@
 """The simulator's answers do not move when code moves: `orchestrator simulate --json` on short
 windows of shared traces against outputs the code produced before the layout change
 (tests/data/golden, made by the pre-refactor tree on a database built like the session's
-llama3-8b one; regenerated once when the physics changed on purpose - the serving-stack profiles
-of dse/stacks.py: 23 values of the conversation case moved, by up to 20 % (v5p decode vPod-hours),
-2 of the Mooncake case by 0.2 %). Integers and strings must match exactly; floats to 1e-9 relative (the
+llama3-8b one; regenerated when the physics changed on purpose: the serving-stack profiles of
+dse/stacks.py moved 23 values of the conversation case, by up to 20 % (v5p decode vPod-hours), 2
+of the Mooncake case by 0.2 %; the collective overlap and the measured power cap 20 values, by
+up to 50 % (multipool:4 decode dollars), and 2 by 4e-6). Integers and strings must match exactly; floats to 1e-9 relative (the
 database is rebuilt on each machine: XLA's counts and the fits may differ in the last bits, and
 pricing is one formula now, which rounds differently in the last bit)."""
 import json
