@@ -169,3 +169,35 @@ def stack_of(meta: dict[str, Any]) -> StackProfile:
                             f"{p.name!r} serving-stack profile than this NeuScale has: rebuild "
                             "it with `orchestrator dse build`")
     return p
+
+
+def parse_stack(text: "str | StackProfile | None") -> StackProfile:
+    """A profile by name, or a whole profile as a JSON object (``{"name": "slow", "step_s":
+    0.02, ...}``: every field of :class:`StackProfile` but ``sources``/``description``; what
+    a test or a what-if passes to the simulated engines). One clear error for anything else."""
+    if text is None or isinstance(text, StackProfile):
+        return get_stack(text)
+    t = str(text).strip()
+    if not t.startswith("{"):
+        return get_stack(t)
+    try:
+        d = json.loads(t)
+    except ValueError as e:
+        raise NeuScaleError(f"stack profile {t[:60]!r} is not valid JSON ({e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+        raise NeuScaleError("a stack profile given as JSON must be an object with a \"name\"")
+    known = {"name", "step_s", "per_seq_s", "request_s", "attn_decode_eff",
+             "attn_prefill_eff", "overlap"}
+    extra = set(d) - known
+    if extra:
+        raise NeuScaleError(f"stack profile {d['name']!r}: unknown field(s) {sorted(extra)}; "
+                            f"known: {', '.join(sorted(known))}")
+    missing = {"step_s", "per_seq_s", "request_s"} - set(d)
+    if missing:
+        raise NeuScaleError(f"stack profile {d['name']!r}: missing {', '.join(sorted(missing))}")
+    if not isinstance(d.get("overlap", False), bool):
+        raise NeuScaleError(f"stack profile {d['name']!r}: overlap must be true or false")
+    try:
+        return StackProfile(**d)
+    except TypeError as e:
+        raise NeuScaleError(f"stack profile {d['name']!r}: {e}") from None

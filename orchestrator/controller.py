@@ -74,8 +74,12 @@ class ControllerConfig:
 class Controller:
     def __init__(self, db: BestFitDB, backend: Backend, gateway: Gateway, state: StateStore,
                  config: ControllerConfig = ControllerConfig(),
-                 policies: Mapping[str, Policy] | None = None):
+                 policies: Mapping[str, Policy] | None = None, recalibrator=None):
+        """``recalibrator``: an :class:`orchestrator.calibration.Recalibrator` that the
+        engines' metrics feed every sample and that updates its correction factors (which the
+        policies' calibrated pricer reads) every epoch; None: no recalibration."""
         self.db, self.backend, self.gateway, self.state = db, backend, gateway, state
+        self.recal = recalibrator
         self.cfg = config
         self.policies = dict(policies or {ph: Policy(db, ph, config.policy) for ph in PHASES})
         self.window = ObservationWindow(len(db.edges), config.policy)
@@ -265,6 +269,8 @@ class Controller:
                 text = await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False, 0
+        if self.recal is not None and v.state == VPodState.READY:
+            self.recal.observe(v.id, (v.chip, v.topology, v.tp, v.pp, v.ep, v.phase), text)
         return True, int(_metric(text, "vllm:num_requests_waiting"))
 
     def _urgent(self) -> bool:
@@ -286,6 +292,7 @@ class Controller:
     def epoch(self) -> None:
         now_cp = self.now_cp()
         self._last_epoch_cp = now_cp
+        self._recalibrate()
         for ph in PHASES:
             inv = [VPodRecord(v.id, v.grp, v.chip, v.topology, v.num_chips,
                               VPodState(v.state), v.failover, v.throughput_tok_per_s,
@@ -308,6 +315,19 @@ class Controller:
             self._act(ph, plan)
         self.window.end_epoch()
         self._publish()
+
+    def _recalibrate(self) -> None:
+        """Fold the epoch's measured latencies into the correction factors (before the
+        policies plan with them), keep them in the state, and say which moved."""
+        if self.recal is None:
+            return
+        moved = self.recal.update()
+        if not moved:
+            return
+        self.state.set_json("calibration", self.recal.calibration.to_json())
+        for (chip, topo, tp, pp, ep, phase), f in moved.items():
+            self._event("recalibrate", f"{phase} {chip}:{topo} tp{tp}-pp{pp}-ep{ep}",
+                        f"measured / modelled latency -> factor {f:.2f}")
 
     def _quotas(self, now_cp: float) -> dict[str, int]:
         """Known quotas, tightened by limits learned from quota errors (kept for a while: a
@@ -449,6 +469,8 @@ class Controller:
         self._create(v.phase, v.grp, e, v.failover, f"replaces dead {v.id}")
 
     def _release(self, v: VPodRow, reason: str) -> None:
+        if self.recal is not None:
+            self.recal.forget(v.id)
         v.state, v.reason, v.released_at = VPodState.RELEASED, reason, time.time()
         self.state.update_vpod(v.id, state=v.state, reason=reason, released_at=v.released_at)
         self.vpods.pop(v.id, None)
@@ -514,6 +536,7 @@ class Controller:
             "routing": routing,
             "best_len": best_len,
             "recent_actions": self.events[-30:][::-1],
+            "calibration": self.recal.calibration.to_json() if self.recal is not None else None,
             "recent_plans": self.state.recent_plans(6),
         }
 

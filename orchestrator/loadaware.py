@@ -63,7 +63,7 @@ import numpy as np
 
 from dse.db import BestFitDB
 
-from .policy import (Action, ActionKind, GroupSpec, Observation, Policy, PolicyConfig,
+from .policy import (Action, ActionKind, GroupSpec, Observation, Plan, Policy, PolicyConfig,
                      PolicyState, _GroupLoad)
 from .pricing import (Alloc, ChipModelPricer, LoadCost, Pricer, _max_busy, cost_per_s,
                       servers_needed, startup_cost, static_per_s)
@@ -98,6 +98,18 @@ class LoadAwarePolicy(Policy):
         self._margin = 1.0 if phase == "prefill" else config.decode_step_margin
         self._fronts: dict[tuple[int, ...], dict | None] = {}
         self._need: dict[str, int] = {}        # per group: vPods its last epoch's peak needs
+        self._priced_at = getattr(pricer, "version", 0)   # a calibrated pricer's factors
+
+    def plan(self, obs: Observation, state: PolicyState | None = None) -> Plan:
+        """:meth:`Policy.plan`, after dropping prices cached before the live correction
+        factors last moved (:class:`orchestrator.pricing.CalibratedPricer`)."""
+        v = getattr(self.pricer, "version", 0)
+        if v != self._priced_at:
+            self._priced_at = v
+            self._fronts.clear()
+            self._slack.clear()
+            self._lat_memo.clear()
+        return super().plan(obs, state)
 
     # ---- sizing in demand ---------------------------------------------------------------------
     def _window(self, obs: Observation) -> dict[int, np.ndarray]:
@@ -365,7 +377,7 @@ class LoadAwarePolicy(Policy):
             if front is not None:
                 self._step(j, front, window, mean, best, best_arr, how, energy)
             if how[j + 1] is None:              # nothing meets this bucket's SLO: its best fit
-                spec = fallback[buckets[j]]
+                spec = self._fastest(buckets[j]) or fallback[buckets[j]]
                 costs = [self.pricer.cost(alloc_of(spec), self.phase, self.edges[buckets[j]])]
                 c = self._load_cost(costs, [buckets[j]], window[:, [j]], mean[[j]])
                 best[j + 1] = best_arr[j + 1] = best[j] + c.per_s
@@ -379,6 +391,32 @@ class LoadAwarePolicy(Policy):
                                             peak)))
             k = i
         return out[::-1]
+
+    def _fastest(self, i: int) -> GroupSpec | None:
+        """Under live correction factors, the point of bucket ``i`` with the lowest corrected
+        latency (what `dse verify` picks when nothing meets an SLO, on the chip model): the
+        database's best fit was the fastest before the factors, not necessarily after. None
+        without factors (the best fit stands)."""
+        if not getattr(self.pricer, "version", 0):
+            return None
+        best = None
+        for chip in (self.chips or self.db.chips):
+            base = self._entry(i, chip)
+            if base is None:
+                continue
+            for p in self.db.pareto_for(self.phase, self.edges[i], chip):
+                a = Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"], p["ep"],
+                          p["batch"])
+                c = self.pricer.cost(a, self.phase, self.edges[i])
+                if best is None or (c.latency_s, -c.throughput_tok_per_s) < best[0]:
+                    best = ((c.latency_s, -c.throughput_tok_per_s), base, a, c)
+        if best is None:
+            return None
+        _, base, a, c = best
+        return GroupSpec.of(replace(base, topology=a.topology, num_chips=a.num_chips, tp=a.tp,
+                                    pp=a.pp, ep=a.ep, max_batch=a.batch, latency_s=c.latency_s,
+                                    throughput_tok_per_s=c.throughput_tok_per_s,
+                                    meets_slo=False))
 
     def _step(self, j: int, front: dict, window: np.ndarray, mean: np.ndarray, best: list,
               best_arr: np.ndarray, how: list, energy: bool) -> None:

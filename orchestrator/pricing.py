@@ -23,7 +23,7 @@ the dynamic energy of the tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Protocol, Sequence
 
@@ -99,6 +99,30 @@ class ChipModelPricer:
                          dyn_j_per_token=max(0.0, r.energy_j - static_w * r.cycle_s) / r.tokens,
                          static_w=static_w, usd_per_s=chip.vpod_usd(a.num_chips, 1.0),
                          startup_s=startup)
+
+
+class CalibratedPricer:
+    """A pricer whose latencies and throughputs carry the live correction factors of
+    :class:`orchestrator.calibration.Calibration` (latency x f, throughput / f; the dynamic
+    energy per token is the same work). ``version`` changes with the factors, so a policy
+    knows when its cached fronts are stale."""
+
+    def __init__(self, base: Pricer, calibration):
+        self.base, self.calibration = base, calibration
+
+    @property
+    def version(self) -> int:
+        return self.calibration.version
+
+    def factor(self, alloc: Alloc, phase: str) -> float:
+        return self.calibration.factor((*alloc.key, phase))
+
+    def cost(self, alloc: Alloc, phase: str, length: int) -> PointCost:
+        c = self.base.cost(alloc, phase, length)
+        f = self.factor(alloc, phase)
+        if f == 1.0:
+            return c
+        return replace(c, latency_s=c.latency_s * f, throughput_tok_per_s=c.throughput_tok_per_s / f)
 
 
 @dataclass(frozen=True)

@@ -52,15 +52,16 @@ LIVE_POLICIES = ("neuscale", "neuscale-paper")
 
 
 def make_live_policies(name: str, db: BestFitDB, config: PolicyConfig,
-                       catalog: Catalog | None = None) -> dict[str, Policy]:
-    """One autoscaler per phase for ``orchestrator serve``: ``neuscale`` (load-aware) or
-    ``neuscale-paper`` (the paper's rule)."""
+                       catalog: Catalog | None = None, pricer: Pricer | None = None
+                       ) -> dict[str, Policy]:
+    """One autoscaler per phase for ``orchestrator serve``: ``neuscale`` (load-aware, pricing
+    with ``pricer``: the live one is calibrated) or ``neuscale-paper`` (the paper's rule)."""
     if name not in LIVE_POLICIES:
         raise NeuScaleError(f"policy {name!r} cannot serve live (it is sized from a whole "
                             f"trace or prices requests after the fact); use one of "
                             f"{', '.join(LIVE_POLICIES)}")
     return make_policies(name, db, config, np.ones(1, np.int64), np.ones(1, np.int64),
-                         None, catalog)
+                         None, catalog, pricer)
 
 
 def check_policy_name(name: str) -> str:

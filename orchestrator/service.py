@@ -56,6 +56,11 @@ class ServeConfig:
     policy_name: str = "neuscale"       # neuscale (load-aware) | neuscale-paper
     policy: Mapping[str, Any] = field(default_factory=dict)   # PolicyConfig fields to override
     bootstrap: bool = True              # start one vPod per phase before the first request
+    # online recalibration (orchestrator.calibration): measured vs modelled latency per
+    # allocation corrects the load-aware policy's sizing and SLO checks
+    recalibrate: bool = True
+    engine_stack: str | None = None     # sim backend: the profile its engines run (default:
+    #                                     the database's; a slower one tests recalibration)
     # the tpu and static backends (deploy/gcp/cluster.yaml documents every field)
     tpu: Mapping[str, Any] | None = None      # project, zones, runtime versions, ...
     hosts: tuple[Any, ...] = ()               # static: existing hosts and their chips
@@ -126,6 +131,7 @@ class Service:
             args += ["--quota", ",".join(f"{c}={n}" for c, n in self.cfg.quotas.items())]
         for f in self.cfg.chip_files:
             args += ["--chip-file", f]
+        args += ["--stack", self.cfg.engine_stack or self.db.stack.name]
         log_path = Path(str(state.path) + ".cloud.log")
         with open(log_path, "ab") as logf:
             try:
@@ -137,11 +143,24 @@ class Service:
         state.set_meta("sim_cloud_pid", str(self._cloud.pid))
         return SimBackend(url)
 
+    def _recalibrator(self):
+        """The live correction factors (restored from the state) and what measures them; None
+        when off or for the paper's rule (which prices with the database as published)."""
+        if not self.cfg.recalibrate or self.cfg.policy_name != "neuscale":
+            return None
+        from sim.vpod import TableCache
+
+        from .calibration import Calibration, Recalibrator
+        tables = TableCache(self.arch, self.catalog, stack=self.db.stack)
+        cal = Calibration.from_json(self.state.get_json("calibration"))
+        return Recalibrator(lambda key: tables(key[:5]), cal)
+
     def max_context(self) -> int:
         return min(self.arch.max_context or self.db.edges[-1], self.db.edges[-1])
 
-    def control(self, max_context: int):
-        """The controller's settings and the policy per phase (after :meth:`load`)."""
+    def control(self, max_context: int, calibration=None):
+        """The controller's settings and the policy per phase (after :meth:`load`); with
+        ``calibration`` the load-aware policy prices allocations with its live factors."""
         from .controller import ControllerConfig
         from .policy import PolicyConfig
         from .registry import make_live_policies
@@ -154,7 +173,12 @@ class Service:
         ccfg = ControllerConfig(policy=pcfg, time_scale=cfg.time_scale,
                                 cluster=cfg.cluster, model=cfg.model, quotas=dict(cfg.quotas),
                                 bootstrap=cfg.bootstrap, max_model_len=max_context)
-        return ccfg, make_live_policies(cfg.policy_name, self.db, pcfg, self.catalog)
+        pricer = None
+        if calibration is not None and cfg.policy_name == "neuscale":
+            from .pricing import CalibratedPricer, ChipModelPricer
+            pricer = CalibratedPricer(ChipModelPricer(self.arch, self.catalog, self.db.stack),
+                                      calibration)
+        return ccfg, make_live_policies(cfg.policy_name, self.db, pcfg, self.catalog, pricer)
 
     # ---- start / stop -------------------------------------------------------------------------
     async def start(self) -> str:
@@ -187,9 +211,10 @@ class Service:
                                wait_for_vpod_s=cfg.wait_for_vpod_s,
                                continuation=self.backend.continuation,
                                upstream_api_key=self.backend.engine_api_key)
-        ccfg, policies = self.control(max_context)
+        recal = self._recalibrator()
+        ccfg, policies = self.control(max_context, recal and recal.calibration)
         self.controller = Controller(self.db, self.backend, self.gateway, self.state, ccfg,
-                                     policies)
+                                     policies, recalibrator=recal)
         self.gateway.status_provider = self.controller.status
         self.gateway.plans_on_demand = True
         self.gateway.on_vpod_failed = self.controller.vpod_failed

@@ -129,7 +129,10 @@ class SimCloud:
     def __init__(self, *, time_scale: float = 60.0, quotas: dict[str, int] | None = None,
                  catalog: Catalog | None = None, model: str | None = None,
                  fail_create_every: int = 0, seed: int = 0, db_path: str | Path | None = None,
-                 max_batched_tokens: int = 8192, host: str = "127.0.0.1"):
+                 max_batched_tokens: int = 8192, host: str = "127.0.0.1", stack=None):
+        """``stack``: the serving-stack profile every engine runs (a name or a JSON profile,
+        :func:`dse.stacks.parse_stack`; default ``vllm-tpu``) - a test or what-if may make
+        the engines slower than the database assumed."""
         if not time_scale > 0:
             raise ValueError("time_scale must be > 0")
         self.time_scale = float(time_scale)
@@ -141,6 +144,8 @@ class SimCloud:
         self.db_path = Path(db_path) if db_path else None
         self.max_batched_tokens = max_batched_tokens
         self.host = host
+        from dse.stacks import parse_stack
+        self.stack = parse_stack(stack)
         self.vpods: dict[str, _VPod] = {}
         self._archs: dict[str, ModelArch] = {}
         self._tables: dict[tuple, asyncio.Future] = {}
@@ -327,7 +332,7 @@ class SimCloud:
         if fut is None:
             fut = self._tables[key] = asyncio.ensure_future(asyncio.to_thread(
                 step_cost_table, arch, self.catalog, spec.chip, spec.topology, spec.tp,
-                spec.pp, spec.ep))
+                spec.pp, spec.ep, self.stack))
         try:
             return await asyncio.shield(fut)
         except Exception:
@@ -488,6 +493,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--chip-file", action="append", default=[],
                     help="add chips from a JSON/YAML file (repeatable)")
+    ap.add_argument("--stack", default=None,
+                    help="serving-stack profile the engines run: a name or a JSON profile "
+                         "(default vllm-tpu; the database's profile is what the policy assumes)")
     ap.add_argument("--log-level", default="WARNING")
     return ap
 
@@ -500,7 +508,8 @@ async def _run(args: argparse.Namespace) -> None:
     cloud = SimCloud(time_scale=args.time_scale, quotas=quotas, catalog=catalog,
                      model=args.model, fail_create_every=args.fail_create_every,
                      seed=args.seed, db_path=args.db,
-                     max_batched_tokens=args.max_num_batched_tokens, host=args.host)
+                     max_batched_tokens=args.max_num_batched_tokens, host=args.host,
+                     stack=args.stack)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -876,11 +876,14 @@ class EngineServer:
 # ---- construction and the stand-alone command ------------------------------------------------
 
 def step_cost_table(arch: ModelArch, catalog: Catalog, chip: str, topology: str, tp: int,
-                    pp: int = 1, ep: int = 1) -> StepCostTable:
-    """The allocation's step-cost table (cached on disk under the ``stepcost`` cache)."""
+                    pp: int = 1, ep: int = 1, stack=None) -> StepCostTable:
+    """The allocation's step-cost table under the serving-stack profile ``stack`` (a name, a
+    JSON profile or a :class:`dse.stacks.StackProfile`; default ``vllm-tpu``), cached on disk
+    under the ``stepcost`` cache."""
     from dse.cache import cache_path
+    from dse.stacks import parse_stack
     from sim.chip import ChipModel
-    cm = ChipModel.of(arch, catalog, chip, topology, tp, pp, ep)
+    cm = ChipModel.of(arch, catalog, chip, topology, tp, pp, ep, stack=parse_stack(stack))
     return StepCostTable(cm, cache_dir=cache_path("stepcost"))
 
 
@@ -921,6 +924,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--host", default="127.0.0.1", help="listen address")
+    ap.add_argument("--stack", default=env.get("NEUSCALE_STACK"),
+                    help="serving-stack profile the engine runs: a name (vllm-tpu, sglang-jax, "
+                         "jetstream, none) or a JSON profile (default vllm-tpu)")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--url-file", default=None, help="write the URL here once listening")
     # vLLM flags a remote backend passes that mean nothing here
@@ -936,7 +942,8 @@ async def _main_async(args: argparse.Namespace) -> None:
     arch = load_model(args.model)
     if args.dp:
         args.ep, args.max_num_seqs = args.dp, args.max_num_seqs * args.dp
-    table = step_cost_table(arch, catalog, args.chip, args.topology, args.tp, args.pp, args.ep)
+    table = step_cost_table(arch, catalog, args.chip, args.topology, args.tp, args.pp, args.ep,
+                            args.stack)
     chip = catalog.get(args.chip)
     srv = EngineServer(served_model=args.served_model_name or args.model, arch=arch,
                        table=table, phase=args.phase, max_batch=args.max_num_seqs, pp=args.pp,

@@ -71,6 +71,16 @@ def serve_config(args: argparse.Namespace):
         values["keep_vpods"] = False
     if args.no_bootstrap:
         values["bootstrap"] = False
+    if args.no_recalibrate:
+        values["recalibrate"] = False
+    if args.engine_stack is not None:
+        values["engine_stack"] = args.engine_stack
+    if values.get("engine_stack") is not None:
+        if remote:
+            raise NeuScaleError("--engine-stack is for --backend sim (real engines run what "
+                                "they run; the database's profile is what the policy assumes)")
+        from dse.stacks import parse_stack
+        parse_stack(values["engine_stack"])           # one clear error before anything starts
     cat = catalog(args)
     q = values.get("quotas")
     if args.quota is not None:
@@ -258,6 +268,12 @@ def format_status(s: dict[str, Any]) -> str:
             if g != prev:
                 lines.append(f"  from bucket <= {edge:>8}: {g}")
                 prev = g
+    cal = s.get("calibration")
+    if cal:
+        lines.append("recalibration (measured / modelled latency, per allocation):")
+        for c in cal:
+            lines.append(f"  {c['phase']:7} {c['chip']}:{c['topology']:8} tp{c['tp']}-pp{c['pp']}"
+                         f"-ep{c['ep']}  x{c['factor']:.2f}  ({c['epochs']} epochs)")
     acts = s.get("recent_actions", [])
     if acts:
         lines.append("recent actions:")
@@ -339,6 +355,12 @@ def add_parser(sub) -> None:
                     help="on exit leave the vPods (and the sim cloud) running for the next start")
     sv.add_argument("--no-bootstrap", action="store_true",
                     help="start with no vPods: the first request waits for a cold start")
+    sv.add_argument("--no-recalibrate", action="store_true",
+                    help="do not correct the policy's latencies by what the engines measure "
+                         "(default: a factor per allocation, see `orchestrator status`)")
+    sv.add_argument("--engine-stack", metavar="NAME|JSON",
+                    help="sim backend: the serving-stack profile the simulated engines run "
+                         "(default the database's; a slower one shows recalibration at work)")
     sv.add_argument("--config", metavar="FILE", help="settings file (YAML/JSON)")
     sv.add_argument("--log-level", default="warning", help="python logging level")
     add_common(sv, json_flag=False)
