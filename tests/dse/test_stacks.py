@@ -100,3 +100,31 @@ def test_a_stack_changes_the_database_cache_key():
     keys = {cache_key(arch, "energy", 5.0, None, cat, s) for s in PROFILES}
     assert len(keys) == len(PROFILES)
     assert json.dumps(get_stack().to_json())
+
+
+def test_parse_stack_takes_a_name_or_a_whole_json_profile():
+    from dse.stacks import parse_stack
+    assert parse_stack("jetstream").name == "jetstream" and parse_stack(None).name == "vllm-tpu"
+    p = parse_stack('{"name": "slow", "step_s": 0.01, "per_seq_s": 0.001, "request_s": 0, '
+                    '"overlap": true}')
+    assert (p.name, p.step_s, p.per_seq_s, p.overlap) == ("slow", 0.01, 0.001, True)
+    for bad, msg in (('{"name": "x"}', "missing"), ('{"step_s": 1}', "with a \\\"name\\\""),
+                     ('{"name": "x", "step_s": 0, "per_seq_s": 0, "request_s": 0, "gpu": 1}',
+                      "unknown field"),
+                     ('{"name": "x", "step_s": 0, "per_seq_s": 0, "request_s": 0, '
+                      '"overlap": "yes"}', "overlap"),
+                     ('{"name": "x", "step_s": -1, "per_seq_s": 0, "request_s": 0}', "step_s"),
+                     ("{oops", "not valid JSON"), ("trt", "unknown serving stack")):
+        with pytest.raises(NeuScaleError, match=msg):
+            parse_stack(bad)
+
+
+def test_serve_refuses_a_bad_or_misplaced_engine_stack(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--engine-stack",
+                        '{"name": "x"}', "--state", str(tmp_path / "s.db")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error:") and "missing" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "orchestrator.cli", "serve", "--backend", "tpu",
+                        "--engine-stack", "none", "--state", str(tmp_path / "s.db")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--engine-stack is for --backend sim" in p.stderr
