@@ -548,7 +548,8 @@ __all__ = ["CostModel", "Roofline", "roofline", "on_chip", "OnChip", "latency_ef
            "PHASES", "METRICS", "REASONS", "BOUNDS", "infeasible_message",
            "HBM_USABLE_FRACTION", "MODEL_VERSION",
            # re-exported from dse.parallel and dse.torus
-           "Parallelism", "ATTN_LAYOUTS", "dispatch_tokens", "validate_parallelism", "enumerate_parallelisms", "stage_layout",
+           "Parallelism", "ATTN_LAYOUTS", "dispatch_tokens", "validate_parallelism",
+           "enumerate_parallelisms", "stage_layout",
            "weight_bytes", "stage_weights", "max_weights_bytes", "group_dims", "Collective",
            "allreduce_cost", "allgather_cost", "alltoall_cost", "p2p_cost", "collectives",
            "stack_collectives"]

@@ -61,7 +61,8 @@ def dry_run(cfg: ServeConfig) -> dict[str, Any]:
             item: dict[str, Any] = {
                 "id": vid, "phase": ph, "group": a.group, "chip": e.chip,
                 "topology": e.topology, "num_chips": e.num_chips, "tp": e.tp, "pp": e.pp,
-                "ep": e.ep, "attn": e.attn, "max_batch": e.max_batch, "max_model_len": ccfg.max_model_len,
+                "ep": e.ep, "attn": e.attn, "max_batch": e.max_batch,
+                "max_model_len": ccfg.max_model_len,
                 "reason": a.reason, "labels": dict(spec.labels)}
             port = None
             if tpu is not None:

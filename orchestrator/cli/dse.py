@@ -86,7 +86,8 @@ def cmd_dse_query(args: argparse.Namespace) -> int:
         print(f"  Pareto front ({len(out['pareto'])} points):")
         for p in out["pareto"]:
             print(f"    {e.chip}:{p['topology']} tp{p['tp']} pp{p['pp']} ep{p['ep']} "
-                  + ("tpattn " if p["attn"] == "tp" else "") + f"batch {p['batch']}: {p['latency_s'] * 1e3:.2f} ms, "
+                  + ("tpattn " if p["attn"] == "tp" else "")
+                  + f"batch {p['batch']}: {p['latency_s'] * 1e3:.2f} ms, "
                   f"{p['efficiency']:.4g} {unit}")
     return 0
 

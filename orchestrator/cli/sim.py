@@ -36,7 +36,8 @@ def cmd_sim_step(args: argparse.Namespace) -> int:
                      args.pp, args.ep, args.stack, args.attn)
     r = cm.step(args.phase, args.batch, args.seq_len)
     out = {"model": cm.arch.name, "vpod": f"{cm.chip.name}:{cm.topo}", "tp": cm.par.tp,
-           "pp": cm.par.pp, "ep": cm.par.ep, "attn": cm.par.attn, "phase": args.phase, "batch": args.batch,
+           "pp": cm.par.pp, "ep": cm.par.ep, "attn": cm.par.attn, "phase": args.phase,
+           "batch": args.batch,
            "seq_len": args.seq_len, **r.to_json(ops=args.ops),
            "memory_bytes_per_chip": r.hbm_bytes_per_chip,
            "fits": r.hbm_bytes_per_chip <= HBM_USABLE_FRACTION * cm.chip.hbm_bytes}
