@@ -92,6 +92,9 @@ class VPodSpec:
     max_batch: int             # vLLM --max-num-seqs
     max_model_len: int         # vLLM --max-model-len
     labels: Mapping[str, str] = field(default_factory=dict)
+    # MoE stage layout (dse.parallel.Parallelism.attn): "dp" attention data-parallel over the
+    # ep groups (vLLM --data-parallel-size ep), "tp" attention TP over tp*ep chips
+    attn: str = "dp"
 
     def __post_init__(self) -> None:
         # a plain dict (hashable, comparable) whatever mapping was passed
@@ -100,7 +103,7 @@ class VPodSpec:
     def __hash__(self) -> int:
         return hash((self.id, self.group, self.phase, self.model, self.chip, self.topology,
                      self.num_chips, self.tp, self.pp, self.ep, self.max_batch,
-                     self.max_model_len, tuple(sorted(self.labels.items()))))
+                     self.max_model_len, tuple(sorted(self.labels.items())), self.attn))
 
     def problems(self) -> list[str]:
         """What is wrong with the spec's values on their own (the backend checks the rest:
@@ -117,6 +120,9 @@ class VPodSpec:
         for name in ("num_chips", "tp", "pp", "ep", "max_batch"):
             if getattr(self, name) < 1:
                 p.append(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.attn not in ("dp", "tp"):
+            p.append(f"attn {self.attn!r} must be 'dp' (attention data-parallel over ep) or "
+                     "'tp' (attention tensor-parallel over tp*ep)")
         if self.max_model_len < 2:
             p.append(f"max_model_len must be >= 2, not {self.max_model_len}")
         if self.tp * self.pp * self.ep != self.num_chips:
@@ -133,7 +139,8 @@ class VPodSpec:
         return {"id": self.id, "group": self.group, "phase": self.phase, "model": self.model,
                 "chip": self.chip, "topology": self.topology, "num_chips": self.num_chips,
                 "tp": self.tp, "pp": self.pp, "ep": self.ep, "max_batch": self.max_batch,
-                "max_model_len": self.max_model_len, "labels": dict(self.labels)}
+                "max_model_len": self.max_model_len, "labels": dict(self.labels),
+                "attn": self.attn}
 
     @classmethod
     def from_json(cls, d: Any) -> "VPodSpec":
@@ -151,7 +158,8 @@ class VPodSpec:
                    num_chips=_need(d, "num_chips", int, w), tp=_need(d, "tp", int, w),
                    pp=_need(d, "pp", int, w), ep=_need(d, "ep", int, w),
                    max_batch=_need(d, "max_batch", int, w),
-                   max_model_len=_need(d, "max_model_len", int, w), labels=dict(labels))
+                   max_model_len=_need(d, "max_model_len", int, w), labels=dict(labels),
+                   attn=_need(d, "attn", str, w) if "attn" in d else "dp")
 
     def matches(self, labels: Mapping[str, str]) -> bool:
         """Whether every label of ``labels`` is on this spec with that value."""

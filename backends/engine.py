@@ -165,16 +165,22 @@ def vllm_argv(spec: VPodSpec, settings: EngineSettings, *, multi_host: bool = Fa
         raise ConfigError("engine.model must name the weights: a Hugging Face id, a gs:// "
                           "path or a directory on the hosts")
     argv = [*settings.command, weights_path(settings)]
-    dp = spec.ep if spec.ep > 1 else 1
+    # "dp" layout: ep data-parallel attention ranks of TP tp; "tp" layout: one rank of TP
+    # tp*ep, the experts expert-parallel over the same chips (vLLM: EP spans DP x TP ranks)
+    tpattn = spec.attn == "tp"
+    dp = 1 if tpattn else spec.ep
+    tp = spec.tp * spec.ep if tpattn else spec.tp
     per_rank = math.ceil(spec.max_batch / dp)
     argv += ["--served-model-name", settings.served_model_name or spec.model,
              "--host", worker if settings.listen == "worker" and worker else settings.listen,
              "--port", str(settings.port),
-             "--tensor-parallel-size", str(spec.tp),
+             "--tensor-parallel-size", str(tp),
              "--pipeline-parallel-size", str(spec.pp),
              "--max-num-seqs", str(per_rank),
              "--max-model-len", str(spec.max_model_len)]
-    if spec.ep > 1:
+    if tpattn:
+        argv += ["--enable-expert-parallel"]
+    elif spec.ep > 1:
         argv += ["--data-parallel-size", str(spec.ep), "--enable-expert-parallel"]
     if not settings.model.startswith("gs://") and not settings.model.startswith("/") \
             and not settings.model.startswith("~"):

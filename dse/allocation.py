@@ -12,12 +12,14 @@ from .vpod import ICITopology, compact_topology, is_pow2
 
 def parse_allocation(catalog: Catalog, model: str | ModelArch, chip_name: str,
                      num_chips: int | None, topology: str | None, tp: int, pp: int = 1,
-                     ep: int = 1) -> tuple[ModelArch, ChipSpec, ICITopology, Parallelism]:
+                     ep: int = 1, attn: str = "dp"
+                     ) -> tuple[ModelArch, ChipSpec, ICITopology, Parallelism]:
     """(arch, chip, topology, parallelism): the topology defaults to the most compact shape of
-    tp*pp*ep chips; a given chip count or shape must hold exactly tp*pp*ep chips."""
+    tp*pp*ep chips; a given chip count or shape must hold exactly tp*pp*ep chips; ``attn``
+    the MoE stage layout (:class:`dse.parallel.Parallelism`)."""
     arch = model if isinstance(model, ModelArch) else load_model(model)
     chip = catalog.get(chip_name)
-    par = Parallelism(tp, pp, ep)
+    par = Parallelism(tp, pp, ep, attn)
     validate_parallelism(arch, par)
     n = num_chips or par.chips
     if n != par.chips:

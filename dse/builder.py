@@ -42,7 +42,8 @@ from .xla_cost import FitCache, default_workers, jax_version
 
 SLO_REFERENCE_CHIPS = ("v5p", "v6e")  # §2.4: "NPU-C or NPU-D, whichever is faster"
 MAX_VPOD_CHIPS = 1024                 # §3.3: "we limit the number of chips per pod to 1024"
-PARETO_COLUMNS = ["topology", "num_chips", "tp", "pp", "ep", "batch", "latency_s", "efficiency"]
+PARETO_COLUMNS = ["topology", "num_chips", "tp", "pp", "ep", "attn", "batch", "latency_s",
+                  "efficiency"]
 
 
 @dataclass(frozen=True)
@@ -359,15 +360,15 @@ def _select(dse: DSE, chip: ChipSpec, phase: str, cs: list[Candidate], B, S, lat
             continue
         front = idx[pareto_front(l_all[idx], e_all[idx])]
         pareto[key] = [[str(cs[q // nB].topo), cs[q // nB].topo.num_chips, cs[q // nB].par.tp,
-                        cs[q // nB].par.pp, cs[q // nB].par.ep, int(B[q % nB]),
-                        float(l_all[q]), float(e_all[q])] for q in front]
+                        cs[q // nB].par.pp, cs[q // nB].par.ep, cs[q // nB].par.attn,
+                        int(B[q % nB]), float(l_all[q]), float(e_all[q])] for q in front]
         k_rel, ok = best_fit(l_all[idx], e_all[idx], float(slo[j]))
         q = idx[k_rel]
         c, bi = cs[q // nB], q % nB
         r = dse.evaluate(c, phase, B, S)
         entries.append(Entry(
             phase=phase, seq_len=int(s), chip=chip.name, topology=str(c.topo),
-            num_chips=c.topo.num_chips, tp=c.par.tp, pp=c.par.pp, ep=c.par.ep,
+            num_chips=c.topo.num_chips, tp=c.par.tp, pp=c.par.pp, ep=c.par.ep, attn=c.par.attn,
             max_batch=int(B[bi]), latency_s=float(r.latency_s[bi, j]),
             throughput_tok_per_s=float(r.throughput_tok_per_s[bi, j]),
             energy_j_per_token=float(r.energy_j_per_token[bi, j]),

@@ -42,12 +42,13 @@ from .models import BYTES_PER_PARAM, ModelArch
 # The split of a model over chips and the torus collectives live in their own modules (the chip
 # model uses them too); the names are re-exported here, where callers have always found them.
 from .stacks import StackProfile, get_stack
-from .parallel import (Parallelism, enumerate_parallelisms, max_weights_bytes, stage_layout,
-                       stage_weights, validate_parallelism, weight_bytes)
+from .parallel import (ATTN_LAYOUTS, Parallelism, dispatch_tokens, enumerate_parallelisms,
+                       max_weights_bytes, stage_layout, stage_weights, validate_parallelism,
+                       weight_bytes)
 from .torus import (Collective, allgather_cost, allreduce_cost, alltoall_cost, collectives,
                     group_dims, p2p_cost, stack_collectives)
 from .vpod import ICITopology
-from .xla_cost import ComponentFit, FitCache, ShardDims, components_for, fit_key
+from .xla_cost import ComponentFit, FitCache, ShardDims, components_for
 
 PHASES = ("prefill", "decode")
 METRICS = ("energy", "cost")
@@ -61,7 +62,8 @@ FLASH_Q_BLOCK = 512
 PREFILL_CHUNK_TOKENS = 8192
 B2 = BYTES_PER_PARAM  # bf16 activations and KV cache
 # Version of the cost model's physics: databases built by an older one are rebuilt (cache keys).
-MODEL_VERSION = 4       # 2: prefill KV in flight; 3: stack time; 4: overlap, measured power
+MODEL_VERSION = 5       # 2: prefill KV in flight; 3: stack time; 4: overlap, measured power;
+#                         5: the tensor-parallel-attention MoE layout (Parallelism.attn)
 
 REASONS = ("weights", "kv_cache", "activations")
 BOUNDS = ("compute", "memory", "ici")
@@ -118,12 +120,12 @@ class CostModel:
         for par in pars:
             for ph in phases:
                 for c in components_for(arch, ph):
-                    keys.append((c, par.tp, par.ep))
+                    keys.append((c, *par.fit_shard(c)))
         return keys
 
     def _fit(self, comp: str, par: Parallelism) -> ComponentFit:
         try:
-            return self.fits.fits[fit_key(comp, par.tp, par.ep)]
+            return self.fits.fits[par.fit_key(comp)]
         except KeyError:
             raise NeuScaleError(f"no XLA fit for {comp} at {par}; run the DSE build") from None
 
@@ -140,7 +142,7 @@ class CostModel:
         hit = self._work_cache.get(key)
         if hit is not None:
             return hit
-        d = ShardDims.of(self.arch, par.tp, par.ep)
+        d = par.shard(self.arch)
         W = self.weight_bytes(d)
         g = _Grid.of(par, phase, B, S)
         L = self._layers(par, g, d, W)
@@ -257,13 +259,21 @@ class CostModel:
         """(kind, calls, message bytes) of a stage of ``nl`` layers, ``n_moe`` of them MoE."""
         H, ones = d.hidden, g.ones
         coll: list[tuple[str, int, np.ndarray]] = []
-        if n_moe and par.ep > 1:
-            disp = g.t_attn * d.top_k * H * B2 * (par.ep - 1) / par.ep * ones
+        if n_moe and par.moe_ep > 1:
+            n = par.moe_ep
+            disp = dispatch_tokens(par, g.t_attn) * d.top_k * H * B2 * (n - 1) / n * ones
             coll.append(("a2a", 2 * n_moe, disp))
-        if has_lm and par.tp > 1:
+        if has_lm and par.attn_tp > 1:
             coll.append(("ag", 1, g.t_lm * self.arch.vocab * B2 * ones))
-        if par.tp > 1:
-            coll.append(("ar", 2 * nl, g.t_attn * H * B2 * ones))
+        if par.attn_tp > 1:
+            # per layer: attention output; per dense layer: MLP output; per MoE layer: the
+            # experts' TP partial sums and the shared expert's ("dp" layout), or the shared
+            # expert's only ("tp" layout: whole experts, the routed outputs come back by the
+            # combine all-to-all and are added into it)
+            moe_ar = n_moe if (par.moe_tp > 1 or d.shared_inter) else 0
+            n_ar = nl + (nl - n_moe) + moe_ar
+            if n_ar:
+                coll.append(("ar", n_ar, g.t_attn * H * B2 * ones))
         if par.pp > 1 and not has_lm:
             coll.append(("p2p", 1, g.t_attn * H * B2 * ones))
         return coll
@@ -292,14 +302,16 @@ class _Grid:
         Sf = S.astype(np.float64).reshape(1, -1)
         m = np.minimum(Bf, par.pp)
         b_mb = np.ceil(Bf / m)
-        b_loc = np.ceil(b_mb / par.ep)
+        b_loc = np.ceil(b_mb / par.dp)
         # KV of every sequence in flight stays resident. Decode: the B sequences of the batch.
         # Prefill: a batch enters every m slowest-stage slots (the cycle of _schedule) and
         # spends pp + m - 1 slots in the pipeline, so (pp + m - 1) / m batches are in flight,
         # each stage holding its layers' KV for all of them until hand-off (B = 1 on PP = 16:
         # 16 prompts; vLLM's PP virtual engines get 1/pp of the KV blocks each).
         inflight = Bf * (par.pp + m - 1) / m if phase == "prefill" else Bf
-        seqs_chip = np.ceil(inflight / par.ep)
+        # Tensor-parallel attention (par.dp = 1) keeps every sequence's KV on every chip: MLA's
+        # latent is shared by all heads and cannot be split by them (GQA heads are split).
+        seqs_chip = np.ceil(inflight / par.dp)
         prefill = phase == "prefill"
         q_tok = Sf if prefill else 1.0
         t_attn = b_loc * q_tok
@@ -442,12 +454,12 @@ def _timing(oc: OnChip, colls):
     dyn_total = 0.0
     t_sum = 0.0
     for i, st in enumerate(oc.stages):
-        it, ib = _ici(st, colls, par.tp)
+        it, ib = _ici(st, colls, par.attn_tp)
         ici.append((it, ib))
         t = st.comp_t + it
         t_sum = t_sum + st.n_stages * t
         dyn = st.dyn_j + ib * oc.chip.ici_j_per_byte
-        dyn_total = dyn_total + dyn * (st.n_stages * par.tp * par.ep)
+        dyn_total = dyn_total + dyn * (st.n_stages * par.stage_chips)
         if t_stage is None:
             t_stage, slow = t, np.zeros(np.shape(t), np.int64)
         else:
@@ -536,7 +548,8 @@ __all__ = ["CostModel", "Roofline", "roofline", "on_chip", "OnChip", "latency_ef
            "PHASES", "METRICS", "REASONS", "BOUNDS", "infeasible_message",
            "HBM_USABLE_FRACTION", "MODEL_VERSION",
            # re-exported from dse.parallel and dse.torus
-           "Parallelism", "validate_parallelism", "enumerate_parallelisms", "stage_layout",
+           "Parallelism", "ATTN_LAYOUTS", "dispatch_tokens", "validate_parallelism",
+           "enumerate_parallelisms", "stage_layout",
            "weight_bytes", "stage_weights", "max_weights_bytes", "group_dims", "Collective",
            "allreduce_cost", "allgather_cost", "alltoall_cost", "p2p_cost", "collectives",
            "stack_collectives"]

@@ -17,6 +17,7 @@ from typing import Any
 from .buckets import MAX_SEQ_LEN, SEQ_BUCKETS
 from .errors import NeuScaleError
 from .files import read_text, write_atomic
+from .parallel import ATTN_LAYOUTS, Parallelism
 from .vpod import ICITopology, VPodConfig
 
 DB_FORMAT = "neuscale-bestfit"
@@ -47,10 +48,23 @@ class Entry:
     accelerator_type: str
     hbm_bytes_per_chip: float    # memory the allocation uses per chip
     feasible: bool = True        # False: no vPod of this chip fits this bucket
+    # MoE stage layout (dse.parallel.Parallelism.attn): "dp" attention data-parallel over the
+    # ep groups, "tp" attention tensor-parallel over tp*ep chips with whole experts; databases
+    # written before the field existed hold "dp" allocations
+    attn: str = "dp"
 
     @property
     def vpod(self) -> VPodConfig:
         return VPodConfig(self.chip, ICITopology.parse(self.topology), self.num_chips)
+
+    @property
+    def parallelism(self) -> "Parallelism":
+        return Parallelism(self.tp, self.pp, self.ep, self.attn)
+
+    @property
+    def alloc_key(self) -> tuple[str, str, int, int, int, str]:
+        """(chip, topology, tp, pp, ep, attn): the allocation, as every table keys it."""
+        return (self.chip, self.topology, self.tp, self.pp, self.ep, self.attn)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +73,7 @@ class Entry:
 _ENTRY_FIELDS = [f.name for f in fields(Entry)]
 _ENTRY_TYPES = {f.name: f.type for f in fields(Entry)}
 _NON_FINITE = ("latency_s", "energy_j_per_token", "usd_per_token")   # inf when infeasible
+_OPTIONAL = {"feasible": True, "attn": "dp"}    # fields older databases may lack: defaults
 MAX_DB_BYTES = 256 << 20          # real databases are 1-3 MB
 
 
@@ -108,11 +123,11 @@ def _check(data: dict[str, Any]) -> list[Entry]:
 def _entry(e: Any, i: int, chips: set[str], edges: set[int]) -> Entry:
     where = f"entries[{i}]"
     _need(isinstance(e, dict), f"{where} is not an object")
-    missing = [k for k in _ENTRY_FIELDS if k not in e and k != "feasible"]
+    missing = [k for k in _ENTRY_FIELDS if k not in e and k not in _OPTIONAL]
     _need(not missing, f"{where} lacks {', '.join(missing)}")
     kw: dict[str, Any] = {}
     for k in _ENTRY_FIELDS:
-        v, typ, at = e.get(k, True), _ENTRY_TYPES[k], f"{where}.{k}"
+        v, typ, at = e.get(k, _OPTIONAL.get(k)), _ENTRY_TYPES[k], f"{where}.{k}"
         if typ == "str":
             _need(isinstance(v, str), f"{at} must be a string (got {v!r})")
         elif typ == "int":     # an infeasible entry (no vPod fits) has zeros
@@ -127,6 +142,8 @@ def _entry(e: Any, i: int, chips: set[str], edges: set[int]) -> Entry:
             _need(v >= 0, f"{at} must be >= 0 (got {v!r})")
         kw[k] = v
     _need(kw["phase"] in ("prefill", "decode"), f"{where}.phase {kw['phase']!r}")
+    _need(kw["attn"] in ATTN_LAYOUTS,
+          f"{where}.attn {kw['attn']!r} is not one of {', '.join(ATTN_LAYOUTS)}")
     _need(kw["chip"] in chips, f"{where}.chip {kw['chip']!r} is not in 'chips'")
     _need(kw["seq_len"] in edges, f"{where}.seq_len {kw['seq_len']} is not a bucket edge")
     return Entry(**kw)
@@ -212,9 +229,11 @@ class BestFitDB:
         return [e for e in self._chip[(phase, chip.lower())] if e is not None]
 
     def pareto_for(self, phase: str, seq_len: int, chip: str) -> list[dict[str, Any]]:
+        """The Pareto front of a bucket, one dict per point (``attn`` is ``"dp"`` in databases
+        written before the layout column existed)."""
         i = self.bucket_index(seq_len)
         cols = self.meta["pareto_columns"]
-        return [dict(zip(cols, row)) for row in
+        return [{"attn": "dp", **dict(zip(cols, row))} for row in
                 self.pareto.get(f"{phase}|{self.edges[i]}|{chip}", [])]
 
     def explain_for(self, phase: str, seq_len: int, chip: str) -> dict[str, Any]:

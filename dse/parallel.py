@@ -1,6 +1,17 @@
 """How a model is split over the chips of a vPod: TP x PP x EP, its pipeline stages and the
 weights each chip holds.
 
+Two layouts of a mixture-of-experts stage (``Parallelism.attn``):
+
+* ``"dp"`` (the original one): attention is data-parallel over ``ep`` groups of ``tp`` chips
+  (each group holds its own sequences and their KV cache), the routed experts are split over
+  the ``ep`` groups with TP ``tp`` inside each expert;
+* ``"tp"``: attention (and the shared expert, the dense layers and the LM head) is
+  tensor-parallel over all ``tp * ep`` chips of the stage, the routed experts expert-parallel
+  over the same chips, ``n_experts / (tp * ep)`` whole experts each (no TP inside an expert):
+  vLLM's ``--tensor-parallel-size N --enable-expert-parallel``. MLA's latent KV cache is shared
+  by all heads, so it cannot be split by heads: every chip holds the latent of every sequence.
+
 Shared by the roofline (:mod:`dse.costmodel`) and the per-operator chip model
 (:mod:`sim.chip`), so both judge the same shards; the torus side (which dimensions each group
 spans, what its collectives cost) is :mod:`dse.torus`.
@@ -8,49 +19,116 @@ spans, what its collectives cost) is :mod:`dse.torus`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import NeuScaleError
 from .models import BYTES_PER_PARAM, ModelArch
 from .vpod import is_pow2
-from .xla_cost import ShardDims
+from .xla_cost import ShardDims, fit_key
 
 B2 = BYTES_PER_PARAM  # bf16 weights
 
 
+ATTN_LAYOUTS = ("dp", "tp")   # attention data-parallel over the EP groups / TP over the stage
+
+
 @dataclass(frozen=True, order=True)
 class Parallelism:
+    """``tp * pp * ep`` chips; ``attn`` is the MoE stage layout (module docstring): ``"dp"``
+    attention data-parallel over ``ep`` groups of TP ``tp``, experts TP ``tp`` inside each of
+    ``ep`` expert groups; ``"tp"`` attention TP over all ``tp * ep`` chips of a stage, experts
+    expert-parallel over them (whole experts)."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    attn: str = "dp"
 
     @property
     def chips(self) -> int:
         return self.tp * self.pp * self.ep
 
+    @property
+    def stage_chips(self) -> int:
+        """Chips of one pipeline stage."""
+        return self.tp * self.ep
+
+    @property
+    def attn_tp(self) -> int:
+        """Chips attention heads (and the dense MLP, shared expert, LM head) are split over."""
+        return self.tp * self.ep if self.attn == "tp" else self.tp
+
+    @property
+    def dp(self) -> int:
+        """Attention data-parallel groups: each holds its own sequences and their KV cache."""
+        return 1 if self.attn == "tp" else self.ep
+
+    @property
+    def moe_ep(self) -> int:
+        """Expert groups the routed experts are split over (the all-to-all's group)."""
+        return self.tp * self.ep if self.attn == "tp" else self.ep
+
+    @property
+    def moe_tp(self) -> int:
+        """TP inside one routed expert."""
+        return 1 if self.attn == "tp" else self.tp
+
+    def shard(self, arch: ModelArch) -> ShardDims:
+        """Chip-local sizes of ``arch`` under this split: attention, dense MLP, shared expert
+        and LM head at TP :attr:`attn_tp`; routed experts ``n_experts / moe_ep`` per chip at
+        width ``moe_intermediate / moe_tp``."""
+        d = ShardDims.of(arch, self.attn_tp, self.moe_ep)
+        if arch.is_moe and self.moe_tp != self.attn_tp:
+            d = replace(d, moe_inter=-(-arch.moe_intermediate // self.moe_tp))
+        return d
+
+    def fit_key(self, component: str) -> str:
+        """Key of the XLA fit a component uses under this split: the ``"tp"`` layout's
+        attention/MLP/shared expert/LM head are the graphs at TP ``tp*ep``, its experts the
+        graph at TP 1 and EP ``tp*ep`` (both lowered for the ``"dp"`` layout too)."""
+        return fit_key(component, *self.fit_shard(component))
+
+    def fit_shard(self, component: str) -> tuple[int, int]:
+        """(tp, ep) of the fit a component uses (see :meth:`fit_key`)."""
+        if component == "experts":
+            return self.moe_tp, self.moe_ep
+        return self.attn_tp, self.moe_ep
+
     def __str__(self) -> str:
-        return f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+        return (f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+                + ("-tpattn" if self.attn == "tp" else ""))
 
 
 def validate_parallelism(arch: ModelArch, par: Parallelism) -> None:
     probs = []
+    if par.attn not in ATTN_LAYOUTS:
+        raise NeuScaleError(f"invalid parallelism for {arch.name}: attention layout "
+                            f"{par.attn!r} must be one of {', '.join(ATTN_LAYOUTS)}")
     for n in ("tp", "pp", "ep"):
         if not is_pow2(getattr(par, n)):
             probs.append(f"{n}={getattr(par, n)} must be a power of two")
-    if par.tp > arch.heads:
+    if par.attn == "tp" and not arch.is_moe:
+        probs.append(f"the tensor-parallel attention layout needs a mixture-of-experts model "
+                     f"({arch.name} is dense; plain tp is the same thing)")
+    if par.attn == "tp" and par.attn_tp > arch.heads:
+        probs.append(f"tp*ep={par.attn_tp} (attention TP of the tpattn layout) exceeds the "
+                     f"model's {arch.heads} attention heads")
+    elif par.tp > arch.heads:
         probs.append(f"tp={par.tp} exceeds the model's {arch.heads} attention heads")
     if par.pp > arch.layers:
         probs.append(f"pp={par.pp} exceeds the model's {arch.layers} layers")
     if par.ep > 1 and not arch.is_moe:
         probs.append(f"ep={par.ep} needs a mixture-of-experts model ({arch.name} is dense)")
-    if arch.is_moe and par.ep > arch.n_routed_experts:
-        probs.append(f"ep={par.ep} exceeds the model's {arch.n_routed_experts} experts")
+    if arch.is_moe and par.moe_ep > arch.n_routed_experts:
+        probs.append(f"{'tp*ep' if par.attn == 'tp' else 'ep'}={par.moe_ep} exceeds the "
+                     f"model's {arch.n_routed_experts} experts")
     if probs:
         raise NeuScaleError(f"invalid parallelism {par} for {arch.name}: " + "; ".join(probs))
 
 
 def enumerate_parallelisms(arch: ModelArch, n_chips: int) -> list[Parallelism]:
-    """All TP x PP (x EP) factorisations of ``n_chips`` valid for the model."""
+    """All TP x PP (x EP) factorisations of ``n_chips`` valid for the model; for a MoE model
+    also the tensor-parallel-attention layout of every stage of ``N >= 2`` chips, once per
+    ``N`` as ``tp=1, ep=N`` (its physics depends on ``tp * ep`` only)."""
     out = []
     tp = 1
     while tp <= min(n_chips, arch.heads):
@@ -63,7 +141,22 @@ def enumerate_parallelisms(arch: ModelArch, n_chips: int) -> list[Parallelism]:
             if not arch.is_moe:
                 break
         tp *= 2
+    if arch.is_moe:
+        n = 2
+        while n <= min(n_chips, arch.heads, arch.n_routed_experts):
+            pp = n_chips // n
+            if n * pp == n_chips and pp <= arch.layers:
+                out.append(Parallelism(1, pp, n, "tp"))
+            n *= 2
     return out
+
+
+def dispatch_tokens(par: Parallelism, t_attn):
+    """Tokens one chip sends in a MoE dispatch (and receives back in the combine): its DP
+    group's tokens (``"dp"`` layout; every chip of the group sends them, as the chip model
+    does), or a ``1/(tp*ep)`` slice of the stage's tokens (``"tp"`` layout: after the attention
+    all-reduce every chip holds all of them, and each dispatches its slice)."""
+    return t_attn / par.stage_chips if par.attn == "tp" else t_attn
 
 
 def stage_layout(arch: ModelArch, pp: int) -> list[tuple[int, int, bool, bool, int]]:
@@ -115,11 +208,12 @@ def stage_weights(W: dict[str, float], d: ShardDims, n_dense: int, n_moe: int,
 
 def max_weights_bytes(a: ModelArch, par: Parallelism) -> float:
     """Weights held by one chip of the heaviest pipeline stage (cheap: no grid, no fits)."""
-    d = ShardDims.of(a, par.tp, par.ep)
+    d = par.shard(a)
     W = weight_bytes(a, d)
     return max(stage_weights(W, d, nd, nm, he, hl)
                for nd, nm, he, hl, _ in stage_layout(a, par.pp))
 
 
-__all__ = ["Parallelism", "validate_parallelism", "enumerate_parallelisms", "stage_layout",
+__all__ = ["Parallelism", "ATTN_LAYOUTS", "dispatch_tokens", "validate_parallelism",
+           "enumerate_parallelisms", "stage_layout",
            "weight_bytes", "stage_weights", "max_weights_bytes"]

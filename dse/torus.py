@@ -24,7 +24,8 @@ def group_dims(topo: ICITopology, chip: ChipSpec, par: Parallelism
                ) -> dict[str, list[tuple[int, bool]]]:
     """Assign torus dimensions to the TP, then EP, then PP groups (largest dimensions first, so
     the most communication-heavy group gets the longest rings). Returns, per group, the
-    (extent, has_wraparound) of each dimension it spans."""
+    (extent, has_wraparound) of each dimension it spans. Under tensor-parallel attention
+    (``par.attn == "tp"``) the ``tp`` and ``ep`` groups are the same ``tp * ep`` chips."""
     if topo.num_chips != par.chips:
         raise NeuScaleError(f"{par} uses {par.chips} chips but topology {topo} has "
                             f"{topo.num_chips}")
@@ -32,7 +33,11 @@ def group_dims(topo: ICITopology, chip: ChipSpec, par: Parallelism
     order = sorted(range(topo.ndim), key=lambda i: -topo.dims[i])
     remaining = {i: topo.dims[i] for i in order}
     out: dict[str, list[tuple[int, bool]]] = {"tp": [], "ep": [], "pp": []}
-    for name, need in (("tp", par.tp), ("ep", par.ep), ("pp", par.pp)):
+    # tensor-parallel attention: the TP group (all-reduces) spans the whole stage, and the
+    # experts' all-to-all runs over the same chips
+    groups = ((("tp", par.stage_chips), ("pp", par.pp)) if par.attn == "tp" else
+              (("tp", par.tp), ("ep", par.ep), ("pp", par.pp)))
+    for name, need in groups:
         for i in order:
             if need == 1:
                 break
@@ -41,6 +46,8 @@ def group_dims(topo: ICITopology, chip: ChipSpec, par: Parallelism
                 out[name].append((f, wrap and f == topo.dims[i]))
                 remaining[i] //= f
                 need //= f
+    if par.attn == "tp":
+        out["ep"] = list(out["tp"])
     return out
 
 

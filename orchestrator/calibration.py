@@ -39,7 +39,7 @@ ALPHA = 0.5            # weight of the newest epoch's measurement (log space)
 LOW, HIGH = 0.5, 4.0   # bounds of a measured ratio and of a factor
 MIN_REQUESTS = 8       # finished requests an epoch needs before it moves a factor
 
-Key = tuple[str, str, int, int, int, str]      # chip, topology, tp, pp, ep, phase
+Key = tuple[str, str, int, int, int, str, str]   # chip, topology, tp, pp, ep, attn, phase
 
 
 def _clip(x: float) -> float:
@@ -58,7 +58,7 @@ class Calibration:
         f = self.factors.get(key)
         if f is not None:
             return f
-        same = [v for k, v in self.factors.items() if k[5] == key[5]]
+        same = [v for k, v in self.factors.items() if k[-1] == key[-1]]
         if not same:
             return 1.0
         return math.exp(sum(math.log(v) for v in same) / len(same))
@@ -79,7 +79,7 @@ class Calibration:
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"chip": k[0], "topology": k[1], "tp": k[2], "pp": k[3], "ep": k[4],
-                 "phase": k[5], "factor": f, "epochs": self.samples.get(k, 0)}
+                 "attn": k[5], "phase": k[6], "factor": f, "epochs": self.samples.get(k, 0)}
                 for k, f in sorted(self.factors.items())]
 
     @classmethod
@@ -90,11 +90,11 @@ class Calibration:
         for r in rows if isinstance(rows, list) else []:
             try:
                 key = (str(r["chip"]), str(r["topology"]), int(r["tp"]), int(r["pp"]),
-                       int(r["ep"]), str(r["phase"]))
+                       int(r["ep"]), str(r.get("attn", "dp")), str(r["phase"]))
                 f = float(r["factor"])
             except (KeyError, TypeError, ValueError):
                 continue
-            if math.isfinite(f) and f > 0 and key[5] in ("prefill", "decode"):
+            if math.isfinite(f) and f > 0 and key[6] in ("prefill", "decode"):
                 c.factors[key] = _clip(f)
                 c.samples[key] = int(r.get("epochs", 0) or 0)
         return c
@@ -159,7 +159,7 @@ class Recalibrator:
             table = self.table_for(key)
         except Exception:                  # noqa: BLE001 - an allocation the model refuses
             return
-        if key[5] == "decode":
+        if key[-1] == "decode":
             kv = m["vllm:kv_cache_usage_perc"] * table.kv_capacity_tokens
             if kv <= 0:
                 return
@@ -182,7 +182,7 @@ class Recalibrator:
                 continue
             b, m = t.base, t.last
             acc = per_key.setdefault(key, [0.0, 0.0, 0.0, 0.0])
-            if key[5] == "decode":
+            if key[-1] == "decode":
                 s = m["vllm:time_per_output_token_seconds_sum"] - \
                     b["vllm:time_per_output_token_seconds_sum"]
                 c = m["vllm:time_per_output_token_seconds_count"] - \

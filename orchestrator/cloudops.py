@@ -56,12 +56,13 @@ def dry_run(cfg: ServeConfig) -> dict[str, Any]:
             n += 1
             vid = f"{cfg.cluster}-{ph[0]}{n:04d}-xxxx"
             spec = vpod_spec(ccfg, vid, a.group, ph, e.chip, e.topology, e.num_chips, e.tp,
-                             e.pp, e.ep, e.max_batch, ccfg.max_model_len)
+                             e.pp, e.ep, e.max_batch, ccfg.max_model_len, attn=e.attn)
             chip = svc.catalog.get(e.chip)
             item: dict[str, Any] = {
                 "id": vid, "phase": ph, "group": a.group, "chip": e.chip,
                 "topology": e.topology, "num_chips": e.num_chips, "tp": e.tp, "pp": e.pp,
-                "ep": e.ep, "max_batch": e.max_batch, "max_model_len": ccfg.max_model_len,
+                "ep": e.ep, "attn": e.attn, "max_batch": e.max_batch,
+                "max_model_len": ccfg.max_model_len,
                 "reason": a.reason, "labels": dict(spec.labels)}
             port = None
             if tpu is not None:
@@ -135,7 +136,8 @@ def format_dry_run(d: dict[str, Any]) -> str:
                  f"${v['usd_per_hour']:.2f}/h)") if "zone" in v else \
             (f"host {v['host']}" if "host" in v else "no host")
         lines.append(f"\nvPod {v['id']} ({v['phase']}, group {v['group']}): {v['chip']}:"
-                     f"{v['topology']} tp={v['tp']} pp={v['pp']} ep={v['ep']} batch "
+                     f"{v['topology']} tp={v['tp']} pp={v['pp']} ep={v['ep']} "
+                     + ("(attention TP over tp*ep) " if v.get("attn") == "tp" else "") + "batch "
                      f"{v['max_batch']} -> {where}")
         lines.append(f"  why: {v['reason']}")
         for c in v.get("commands", []):

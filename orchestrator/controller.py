@@ -270,7 +270,8 @@ class Controller:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False, 0
         if self.recal is not None and v.state == VPodState.READY:
-            self.recal.observe(v.id, (v.chip, v.topology, v.tp, v.pp, v.ep, v.phase), text)
+            self.recal.observe(v.id, (v.chip, v.topology, v.tp, v.pp, v.ep, v.attn, v.phase),
+                               text)
         return True, int(_metric(text, "vllm:num_requests_waiting"))
 
     def _urgent(self) -> bool:
@@ -325,8 +326,9 @@ class Controller:
         if not moved:
             return
         self.state.set_json("calibration", self.recal.calibration.to_json())
-        for (chip, topo, tp, pp, ep, phase), f in moved.items():
-            self._event("recalibrate", f"{phase} {chip}:{topo} tp{tp}-pp{pp}-ep{ep}",
+        for (chip, topo, tp, pp, ep, attn, phase), f in moved.items():
+            lay = "-tpattn" if attn == "tp" else ""
+            self._event("recalibrate", f"{phase} {chip}:{topo} tp{tp}-pp{pp}-ep{ep}{lay}",
                         f"measured / modelled latency -> factor {f:.2f}")
 
     def _quotas(self, now_cp: float) -> dict[str, int]:
@@ -376,7 +378,8 @@ class Controller:
         vid = f"{self.cfg.cluster}-{phase[0]}{self._n:04d}-{random.randrange(16 ** 4):04x}"
         row = VPodRow(vid, group, phase, e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep,
                       e.max_batch, self.cfg.max_model_len, e.throughput_tok_per_s,
-                      failover, VPodState.STARTING, None, time.time(), reason=reason)
+                      failover, VPodState.STARTING, None, time.time(), reason=reason,
+                      attn=e.attn)
         # recorded before the backend hears of it: a crash from here on leaves a trace
         self.state.add_vpod(row)
         self.vpods[vid] = row
@@ -385,7 +388,7 @@ class Controller:
 
     def _spec(self, v: VPodRow) -> VPodSpec:
         return vpod_spec(self.cfg, v.id, v.grp, v.phase, v.chip, v.topology, v.num_chips,
-                         v.tp, v.pp, v.ep, v.max_batch, v.max_model_len)
+                         v.tp, v.pp, v.ep, v.max_batch, v.max_model_len, attn=v.attn)
 
     async def _create_remote(self, v: VPodRow, replaces: str | None) -> None:
         try:
@@ -545,10 +548,10 @@ class Controller:
 
 def vpod_spec(cfg: ControllerConfig, vid: str, group: str, phase: str, chip: str,
               topology: str, num_chips: int, tp: int, pp: int, ep: int, max_batch: int,
-              max_model_len: int) -> VPodSpec:
+              max_model_len: int, attn: str = "dp") -> VPodSpec:
     """What the backend is asked to create for a vPod of this cluster (labels included)."""
     return VPodSpec(id=vid, group=group, phase=phase, model=cfg.model, chip=chip,
-                    topology=topology, num_chips=num_chips, tp=tp, pp=pp, ep=ep,
+                    topology=topology, num_chips=num_chips, tp=tp, pp=pp, ep=ep, attn=attn,
                     max_batch=max_batch, max_model_len=max_model_len,
                     labels={"neuscale-cluster": cfg.cluster, "neuscale-vpod": vid,
                             "neuscale-group": label_value(group), "neuscale-phase": phase})

@@ -73,7 +73,7 @@ REASON_KEEP = "kept"
 
 def alloc_of(spec: GroupSpec) -> Alloc:
     e = spec.entry
-    return Alloc(e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep, e.max_batch)
+    return Alloc(e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep, e.max_batch, e.attn)
 
 
 class LoadAwarePolicy(Policy):
@@ -406,7 +406,7 @@ class LoadAwarePolicy(Policy):
                 continue
             for p in self.db.pareto_for(self.phase, self.edges[i], chip):
                 a = Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"], p["ep"],
-                          p["batch"])
+                          p["batch"], p.get("attn", "dp"))
                 c = self.pricer.cost(a, self.phase, self.edges[i])
                 if best is None or (c.latency_s, -c.throughput_tok_per_s) < best[0]:
                     best = ((c.latency_s, -c.throughput_tok_per_s), base, a, c)
@@ -414,7 +414,8 @@ class LoadAwarePolicy(Policy):
             return None
         _, base, a, c = best
         return GroupSpec.of(replace(base, topology=a.topology, num_chips=a.num_chips, tp=a.tp,
-                                    pp=a.pp, ep=a.ep, max_batch=a.batch, latency_s=c.latency_s,
+                                    pp=a.pp, ep=a.ep, attn=a.attn, max_batch=a.batch,
+                                    latency_s=c.latency_s,
                                     throughput_tok_per_s=c.throughput_tok_per_s,
                                     meets_slo=False))
 
@@ -497,7 +498,7 @@ class LoadAwarePolicy(Policy):
         out = valid.copy()
         by_alloc: dict[tuple, list[int]] = {}
         for r, e in enumerate(entries):
-            by_alloc.setdefault((e.chip, e.topology, e.tp, e.pp, e.ep), []).append(r)
+            by_alloc.setdefault(e.alloc_key, []).append(r)
         for rows in by_alloc.values():
             if len(rows) < 2:
                 continue
@@ -524,11 +525,11 @@ class LoadAwarePolicy(Policy):
                 if p.get("cm_meets_slo") is False:    # `dse verify` found it misses its SLO
                     continue
                 a = Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"], p["ep"],
-                          p["batch"])
+                          p["batch"], p["attn"])
                 costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in seg]
                 c = costs[-1]
                 e = replace(base, topology=a.topology, num_chips=a.num_chips, tp=a.tp, pp=a.pp,
-                            ep=a.ep, max_batch=a.batch, latency_s=c.latency_s,
+                            ep=a.ep, attn=a.attn, max_batch=a.batch, latency_s=c.latency_s,
                             throughput_tok_per_s=c.throughput_tok_per_s, meets_slo=True)
                 lat = np.array([x.latency_s for x in costs])
                 slo = np.array([self._slo[i] for i in seg])

@@ -110,7 +110,9 @@ class GroupSpec:
 
     @classmethod
     def of(cls, e: Entry, prefix: str = "") -> "GroupSpec":
-        return cls(f"{prefix}{e.chip}:{e.topology}/tp{e.tp}pp{e.pp}ep{e.ep}/b{e.max_batch}", e)
+        layout = "tpattn" if e.attn == "tp" else ""     # "dp" ids are unchanged
+        return cls(f"{prefix}{e.chip}:{e.topology}/tp{e.tp}pp{e.pp}ep{e.ep}{layout}"
+                   f"/b{e.max_batch}", e)
 
     @property
     def best_len(self) -> int:

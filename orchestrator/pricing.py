@@ -46,10 +46,11 @@ class Alloc:
     pp: int
     ep: int
     batch: int
+    attn: str = "dp"     # MoE stage layout (dse.parallel.Parallelism.attn)
 
     @property
-    def key(self) -> tuple[str, str, int, int, int]:
-        return (self.chip, self.topology, self.tp, self.pp, self.ep)
+    def key(self) -> tuple[str, str, int, int, int, str]:
+        return (self.chip, self.topology, self.tp, self.pp, self.ep, self.attn)
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ class ChipModelPricer:
     def _price(self, a: Alloc, phase: str, n: int) -> PointCost:
         cm = self._models.get(a.key)
         if cm is None:
-            cm = self._models[a.key] = ChipModel.of(self.arch, self.catalog, *a.key,
-                                                    stack=self.stack)
+            cm = self._models[a.key] = ChipModel.of(self.arch, self.catalog, *a.key[:5],
+                                                    stack=self.stack, attn=a.attn)
         r = cm.step(phase, a.batch, n)
         static_w = cm.hw.static_power_w * cm.par.chips
         chip = self.catalog.get(a.chip)

@@ -153,7 +153,7 @@ class Service:
         from .calibration import Calibration, Recalibrator
         tables = TableCache(self.arch, self.catalog, stack=self.db.stack)
         cal = Calibration.from_json(self.state.get_json("calibration"))
-        return Recalibrator(lambda key: tables(key[:5]), cal)
+        return Recalibrator(lambda key: tables(key[:6]), cal)
 
     def max_context(self) -> int:
         return min(self.arch.max_context or self.db.edges[-1], self.db.edges[-1])

@@ -31,7 +31,7 @@ CREATE TABLE IF NOT EXISTS vpods (
     ep INTEGER NOT NULL, max_batch INTEGER NOT NULL, max_model_len INTEGER NOT NULL,
     throughput_tok_per_s REAL NOT NULL, failover INTEGER NOT NULL, state TEXT NOT NULL,
     endpoint TEXT, created_at REAL NOT NULL, ready_at REAL, released_at REAL,
-    reason TEXT NOT NULL DEFAULT '');
+    reason TEXT NOT NULL DEFAULT '', attn TEXT NOT NULL DEFAULT 'dp');
 CREATE INDEX IF NOT EXISTS vpods_state ON vpods (state);
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS plans (
@@ -67,6 +67,7 @@ class VPodRow:
     ready_at: float | None = None
     released_at: float | None = None
     reason: str = ""
+    attn: str = "dp"          # MoE stage layout (dse.parallel.Parallelism.attn)
 
 
 _VPOD_COLS = [f for f in VPodRow.__dataclass_fields__]
@@ -83,6 +84,9 @@ class StateStore:
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.executescript(_SCHEMA)
+            cols = {r[1] for r in self.db.execute("PRAGMA table_info(vpods)")}
+            if "attn" not in cols:     # written before the MoE layout column: all "dp"
+                self.db.execute("ALTER TABLE vpods ADD COLUMN attn TEXT NOT NULL DEFAULT 'dp'")
         except sqlite3.DatabaseError as e:
             raise NeuScaleError(f"state database {str(self.path)!r} is not usable: {e} "
                                 "(pass another --state path)") from None

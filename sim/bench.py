@@ -106,6 +106,7 @@ class BenchConfig:
     num_chips: int | None = None
     pp: int = 1
     ep: int = 1
+    attn: str = "dp"                  # MoE stage layout (dse.parallel.Parallelism.attn)
     stack: str | StackProfile | None = None
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
@@ -145,7 +146,8 @@ def bench_config(get) -> BenchConfig:
     return BenchConfig(
         model=text("model", None), chip=text("chip", None), tp=integer("tp", None),
         topology=text("topology", None), num_chips=integer("num_chips", None),
-        pp=integer("pp", 1), ep=integer("ep", 1), stack=text("stack", defaults.stack),
+        pp=integer("pp", 1), ep=integer("ep", 1), attn=text("attn", "dp"),
+        stack=text("stack", defaults.stack),
         max_num_seqs=integer("max_num_seqs", defaults.max_num_seqs),
         max_batched_tokens=integer("max_batched_tokens", defaults.max_batched_tokens),
         chunked_prefill=chunked in ("true", "1", "yes", "on"),
@@ -192,7 +194,7 @@ def run(cfg: BenchConfig, catalog: Catalog | None = None) -> dict[str, Any]:
     catalog = catalog or default_catalog()
     stack = get_stack(cfg.stack)
     arch, chip, topo, par = parse_allocation(catalog, cfg.model, cfg.chip, cfg.num_chips,
-                                             cfg.topology, cfg.tp, cfg.pp, cfg.ep)
+                                             cfg.topology, cfg.tp, cfg.pp, cfg.ep, cfg.attn)
     cm = ChipModel(arch, chip, topo, par, stack)
     if cm.kv_capacity_tokens() <= 0:
         raise NeuScaleError(f"{arch.name} does not fit on {par.chips} {chip.name} chip(s) with "
@@ -263,7 +265,7 @@ def run(cfg: BenchConfig, catalog: Catalog | None = None) -> dict[str, Any]:
     usd = chip.vpod_usd(par.chips, span)
     return {
         "model": arch.name, "chip": chip.name, "topology": str(topo), "num_chips": par.chips,
-        "tp": par.tp, "pp": par.pp, "ep": par.ep, "stack": stack.name,
+        "tp": par.tp, "pp": par.pp, "ep": par.ep, "attn": par.attn, "stack": stack.name,
         "max_num_seqs": cfg.max_num_seqs, "max_batched_tokens": cfg.max_batched_tokens,
         "chunked_prefill": cfg.chunked_prefill, "workload": str(wl), "requests": n,
         "input_tokens": cfg.trace and f"trace={cfg.trace}" or str(cfg.input_tokens),

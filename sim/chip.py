@@ -38,11 +38,11 @@ from typing import Any
 from dse.catalog import Catalog, ChipSpec
 from dse.errors import NeuScaleError
 from dse.models import ModelArch
-from dse.parallel import Parallelism, max_weights_bytes, stage_layout
+from dse.parallel import (Parallelism, dispatch_tokens, max_weights_bytes, stage_layout,
+                          validate_parallelism)
 from dse.stacks import StackProfile, get_stack
 from dse.torus import allgather_cost, allreduce_cost, alltoall_cost, group_dims
 from dse.vpod import ICITopology
-from dse.xla_cost import ShardDims
 
 from .hardware import (COLLECTIVE_LAUNCH_S, HBM_OP_LATENCY_S, KERNEL_LAUNCH_S, OVERLAP,
                        Hardware, hardware)
@@ -121,7 +121,7 @@ class ChipModel:
         self.arch, self.chip, self.topo, self.par = arch, chip, topo, par
         self.stack = get_stack(stack)
         self.hw = hardware(chip)
-        self.d = ShardDims.of(arch, par.tp, par.ep)
+        self.d = par.shard(arch)
         gd = group_dims(topo, chip, par)
         self._ar = allreduce_cost(gd["tp"], chip)
         self._ag = allgather_cost(gd["tp"], chip)
@@ -130,12 +130,15 @@ class ChipModel:
 
     @classmethod
     def of(cls, arch: ModelArch, catalog: Catalog, chip: str, topology: str, tp: int,
-           pp: int = 1, ep: int = 1, stack: "StackProfile | str | None" = None) -> "ChipModel":
+           pp: int = 1, ep: int = 1, stack: "StackProfile | str | None" = None,
+           attn: str = "dp") -> "ChipModel":
         """The model of an allocation given by names: ``chip`` is resolved through ``catalog``
-        (aliases accepted), ``topology`` is a pod shape such as ``"2x2x1"``."""
+        (aliases accepted), ``topology`` is a pod shape such as ``"2x2x1"``; ``attn`` the MoE
+        layout (:class:`dse.parallel.Parallelism`)."""
         spec = catalog.get(chip)
-        return cls(arch, spec, ICITopology.parse(topology).for_chip(spec), Parallelism(tp, pp, ep),
-                   stack)
+        par = Parallelism(tp, pp, ep, attn)
+        validate_parallelism(arch, par)
+        return cls(arch, spec, ICITopology.parse(topology).for_chip(spec), par, stack)
 
     # ---- operator primitives ----------------------------------------------------------------
     def _finish(self, name: str, tc: float, tv: float, hbm: float, **kw: float) -> Op:
@@ -186,15 +189,15 @@ class ChipModel:
         ``tp`` steps, each step's transfer running under the next step's compute), so only the
         collective's latency (hops, launch), the first of its ``tp`` transfer steps and whatever
         transfer outlasts the matmul stay exposed (:func:`exposed_collective_s`)."""
-        op = self._collective(name, self._ar, self.par.tp, msg_bytes)
+        tp = self.par.attn_tp
+        op = self._collective(name, self._ar, tp, msg_bytes)
         if under is not None and op.time_s > 0:
             fixed = self._ar.alpha_s + COLLECTIVE_LAUNCH_S
-            op.time_s = fixed + exposed_collective_s(op.time_s - fixed, under.time_s,
-                                                     self.par.tp)
+            op.time_s = fixed + exposed_collective_s(op.time_s - fixed, under.time_s, tp)
         return op
 
     def alltoall(self, name: str, msg_bytes: float) -> Op:
-        return self._collective(name, self._a2a, self.par.ep, msg_bytes)
+        return self._collective(name, self._a2a, self.par.moe_ep, msg_bytes)
 
     def p2p(self, name: str, msg_bytes: float) -> Op:
         t = (self.chip.ici_hop_latency_s + msg_bytes / self.hw.ici_link_eff_bytes_per_s
@@ -312,8 +315,12 @@ class ChipModel:
 
     def moe_block(self, t: float, stage_tokens: float) -> list[Op]:
         """``t`` tokens through this chip's attention DP group; ``stage_tokens`` in the whole
-        EP group. The chip hosting the hottest expert sets the pace."""
+        EP group. The chip hosting the hottest expert sets the pace. Dispatch/combine: each
+        chip sends its DP group's tokens (``"dp"`` layout) or its ``1/(tp*ep)`` slice of the
+        stage's tokens (``"tp"`` layout, :func:`dse.parallel.dispatch_tokens`)."""
         d, H, k, E = self.d, self.d.hidden, self.d.top_k, self.d.n_experts_total
+        n = self.par.moe_ep
+        a2a_msg = dispatch_tokens(self.par, t) * k * H * B2 * (n - 1) / n
         ops = [self.vector("moe_norm", t * H, 4, 2 * t * H * B2),
                self.matmul("router", t, H, E, a_bytes=t * H * B2),
                self.vector("router_topk", t * E, 8, t * E * 4)]
@@ -321,7 +328,7 @@ class ChipModel:
             ops += [self.matmul("shared_gate_up", t, H, 2 * d.shared_inter),
                     self.vector("shared_swiglu", t * d.shared_inter, 6, 3 * t * d.shared_inter * B2),
                     self.matmul("shared_down", t, d.shared_inter, H)]
-        ops.append(self.alltoall("dispatch_a2a", t * k * H * B2 * (self.par.ep - 1) / self.par.ep))
+        ops.append(self.alltoall("dispatch_a2a", a2a_msg))
         assignments = stage_tokens * k
         mean = assignments / E
         p_active = 1.0 - (1.0 - k / E) ** stage_tokens
@@ -339,9 +346,12 @@ class ChipModel:
                     self.vector(f"experts_{nm}_swiglu", n * M * d.moe_inter, 6,
                                 3 * n * M * d.moe_inter * B2),
                     self.matmul(f"experts_{nm}_down", M, d.moe_inter, H, groups=n)]
-        ops.append(self.alltoall("combine_a2a", t * k * H * B2 * (self.par.ep - 1) / self.par.ep))
-        shared = next((o for o in ops if o.name == "shared_down"), None)
-        ops.append(self.allreduce("moe_allreduce", t * H * B2, under=shared))
+        ops.append(self.alltoall("combine_a2a", a2a_msg))
+        # the experts' TP partial sums ("dp" layout) and the shared expert's; whole experts
+        # ("tp" layout) leave only the shared expert's (the routed outputs are added into it)
+        if self.par.moe_tp > 1 or d.shared_inter:
+            shared = next((o for o in ops if o.name == "shared_down"), None)
+            ops.append(self.allreduce("moe_allreduce", t * H * B2, under=shared))
         return ops
 
     def head(self, n_logits: float) -> list[Op]:
@@ -349,7 +359,7 @@ class ChipModel:
         ops = [self.vector("final_norm", n_logits * H, 4, 2 * n_logits * H * B2),
                self.matmul("lm_head", n_logits, H, d.vocab),
                self.vector("sampling", n_logits * d.vocab, 4, n_logits * d.vocab * 4)]
-        if self.par.tp > 1:
+        if self.par.attn_tp > 1:
             # fp32 logits gathered at the peak link bandwidth (no achieved-bandwidth scaling)
             c, msg = self._ag, n_logits * self.arch.vocab * 4
             ops.append(Op("logits_allgather", "ICI",
@@ -393,7 +403,7 @@ class ChipModel:
                                     kv_loc, logits, stage_tokens):
                 acc = out[category(o.name)]
                 acc[0] += count * o.time_s * o.count
-                acc[1] += count * self.par.tp * self.par.ep * o.energy_j(self.hw)
+                acc[1] += count * self.par.stage_chips * o.energy_j(self.hw)
         return {k: (v[0], v[1]) for k, v in out.items()}
 
     def mixed_step(self, prefill_tokens: float, prefill_ctx: float, n_decode: float,
@@ -401,8 +411,9 @@ class ChipModel:
         """One engine step (one micro-batch through every stage): ``prefill_tokens`` new prompt
         tokens with ``prefill_ctx`` attended keys in total, ``n_decode`` decoding sequences
         with ``decode_kv`` cached keys in total. Sequences are spread over the EP data-parallel
-        attention groups; the busiest group sets the pace."""
-        ep = self.par.ep
+        attention groups (``"dp"`` layout; one group under tensor-parallel attention); the
+        busiest group sets the pace."""
+        ep = self.par.dp
         # a prompt is prefilled whole inside one DP group: the busiest gets ceil(seqs/ep)
         share = (math.ceil(n_prefill_seqs / ep) / n_prefill_seqs) if n_prefill_seqs else 1 / ep
         p_loc, c_loc = prefill_tokens * share, prefill_ctx * share
@@ -416,7 +427,7 @@ class ChipModel:
                                  logits, stage_tokens)
             ts = sum(o.time_s * o.count for o in ops)
             times += [ts] * count
-            energy += count * self.par.tp * ep * sum(o.energy_j(self.hw) for o in ops)
+            energy += count * self.par.stage_chips * sum(o.energy_j(self.hw) for o in ops)
             all_ops.append((ts, ops))
         seqs = n_decode + (n_prefill_seqs or (1.0 if prefill_tokens > 0 else 0.0))
         latency = self.stack.step_time_s(sum(times), seqs)
@@ -465,18 +476,24 @@ class ChipModel:
         """Weights on the heaviest stage's chip (same sharding rules as the DSE)."""
         return max_weights_bytes(self.arch, self.par)
 
+    def kv_bytes_per_chip_token(self) -> float:
+        """KV bytes one token of one sequence puts on each chip holding it (all its layers on
+        the heaviest stage): GQA heads split by the attention TP; MLA's latent in full."""
+        kv_tok = self.arch.kv_elems_per_token_per_layer(self.par.attn_tp) * B2
+        return kv_tok * max(n_d + n_m for n_d, n_m, *_ in self.stages)
+
     def memory_bytes(self, phase: str, batch: int, seq_len: int) -> float:
-        kv_tok = self.arch.kv_elems_per_token_per_layer(self.par.tp) * B2
-        layers = max(n_d + n_m for n_d, n_m, *_ in self.stages)
-        return self.weights_bytes() + math.ceil(batch / self.par.ep) * seq_len * kv_tok * layers
+        """Weights plus the KV of the batch's sequences one chip holds: its DP group's share
+        (``"dp"`` layout) or every sequence (tensor-parallel attention, ``par.dp = 1``)."""
+        return (self.weights_bytes()
+                + math.ceil(batch / self.par.dp) * seq_len * self.kv_bytes_per_chip_token())
 
     def kv_capacity_tokens(self, usable_fraction: float = 0.9) -> int:
         """KV-cache tokens the vPod holds once weights are loaded (per DP attention group,
-        times the EP groups)."""
-        kv_tok = self.arch.kv_elems_per_token_per_layer(self.par.tp) * B2
-        layers = max(n_d + n_m for n_d, n_m, *_ in self.stages)
+        times the groups: ``ep`` in the ``"dp"`` layout, 1 under tensor-parallel attention,
+        where every chip holds every sequence's latent)."""
         free = usable_fraction * self.chip.hbm_bytes - self.weights_bytes()
-        return max(0, int(free // (kv_tok * layers))) * self.par.ep
+        return max(0, int(free // self.kv_bytes_per_chip_token())) * self.par.dp
 
 
 def exposed_collective_s(transfer_s: float, producer_s: float, steps: int) -> float:

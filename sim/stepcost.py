@@ -129,7 +129,7 @@ class StepCostTable:
 
     def __post_init__(self) -> None:
         cm = self.model
-        ep = cm.par.ep
+        ep = cm.par.dp          # attention data-parallel groups (1 under tensor-parallel attention)
         self.num_chips = cm.par.chips
         self.static_power_w = cm.hw.static_power_w
         self.kv_capacity_tokens = cm.kv_capacity_tokens()
@@ -170,7 +170,7 @@ class StepCostTable:
 
     def _cell(self, table: str, i: int, j: int = 0) -> tuple[float, float]:
         """(latency, dynamic energy) of one grid cell of a table, from the chip model."""
-        cm, ep = self.model, self.model.par.ep
+        cm, ep = self.model, self.model.par.dp
         if table == "tok":
             t = self.g_tok[i]
             kw = dict(nd_loc=t, stage_tokens=t * ep)
@@ -220,7 +220,8 @@ class StepCostTable:
         cm = self.model
         name = re.sub(r"[^A-Za-z0-9._+-]", "_", f"{cm.arch.name}")[:64]
         return Path(self.cache_dir) / (f"{name}-{cm.chip.name}-{cm.topo}-tp{cm.par.tp}"
-                                       f"pp{cm.par.pp}ep{cm.par.ep}-{self.cache_key()}.npz")
+                                       f"pp{cm.par.pp}ep{cm.par.ep}{cm.par.attn}-"
+                                       f"{self.cache_key()}.npz")
 
     _NAMES = ("t_tok", "e_tok", "t_head", "e_head", "t_pre", "e_pre", "t_dec", "e_dec")
 
@@ -298,7 +299,7 @@ class StepCostTable:
                      key=f"unwritable:{p.parent}")
 
     def _local(self, prefill_tokens, prefill_ctx, n_decode, decode_kv):
-        ep = self.model.par.ep
+        ep = self.model.par.dp
         p = np.asarray(prefill_tokens, dtype=np.float64) / ep
         ctx = np.asarray(prefill_ctx, dtype=np.float64) / ep
         nd_glob = np.asarray(n_decode, dtype=np.float64)
@@ -368,7 +369,7 @@ class StepCostTable:
         but decode attention is one scalar; attention is a 1-D interpolation along KV."""
         lat0, dyn0 = self._device_scalar(0.0, 0.0, nd_glob, 0.0)   # without attention
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._v
-        ep = self.model.par.ep
+        ep = self.model.par.dp
         nd = math.ceil(nd_glob / ep)
         per = np.maximum(kv * (nd / nd_glob) / nd, 1e-300)
         lx = min(max(math.log(nd), gs2[0]), gs2[-1])
@@ -389,7 +390,7 @@ class StepCostTable:
         constant terms and the attention row interpolated at the batch size."""
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
         lat0, dyn0 = self._device_scalar(0.0, 0.0, nd_glob, 0.0)
-        nd = math.ceil(nd_glob / self.model.par.ep)
+        nd = math.ceil(nd_glob / self.model.par.dp)
         lx = min(max(math.log(nd), gs2[0]), gs2[-1])
         i = min(max(bisect_right(gs2, lx) - 1, 0), len(gs2) - 2)
         fx = (lx - gs2[i]) / (gs2[i + 1] - gs2[i])
@@ -479,7 +480,7 @@ class StepCostTable:
         p, ctx, nd, kv, logits = (float(x) for x in self._local(prefill_tokens, prefill_ctx,
                                                                 n_decode, decode_kv))
         parts = self.model.parts_local(p, ctx, nd, kv, logits,
-                                       (p + nd) * self.model.par.ep)
+                                       (p + nd) * self.model.par.dp)
         return self._with_host(sum(v[0] for v in parts.values()),
                                sum(v[1] for v in parts.values()),
                                float(n_decode) + (p > 0))

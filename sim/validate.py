@@ -305,7 +305,7 @@ def verify_db(db, arch: ModelArch, catalog: Catalog | None = None,
         for p in sorted(db.pareto_for(e.phase, e.seq_len, e.chip),
                         key=lambda p: -p["efficiency"]):
             cm = ChipModel.of(arch, catalog, e.chip, p["topology"], p["tp"], p["pp"], p["ep"],
-                              stack=stack)
+                              stack=stack, attn=p["attn"])
             r = cm.step(e.phase, p["batch"], e.seq_len)
             usd_tok = chip.vpod_usd(cm.par.chips, r.cycle_s) / r.tokens
             cand = (r.latency_s <= e.slo_s, p, r, usd_tok)
@@ -318,7 +318,7 @@ def verify_db(db, arch: ModelArch, catalog: Catalog | None = None,
         eff = 1 / r.energy_j_per_token if metric == "energy" else 1 / usd_tok
         entries.append(dc_replace(
             e, topology=p["topology"], num_chips=p["num_chips"], tp=p["tp"], pp=p["pp"],
-            ep=p["ep"], max_batch=p["batch"], latency_s=r.latency_s,
+            ep=p["ep"], attn=p["attn"], max_batch=p["batch"], latency_s=r.latency_s,
             throughput_tok_per_s=r.throughput_tok_per_s,
             energy_j_per_token=r.energy_j_per_token, usd_per_token=usd_tok, efficiency=eff,
             meets_slo=bool(ok), bound=r.bound,
@@ -351,10 +351,10 @@ def verify_pareto(db, arch: ModelArch, catalog: Catalog) -> tuple[list[str], dic
         new_rows = []
         for row in rows:
             p = dict(zip(db.meta["pareto_columns"], row))
-            k = (chip, p["topology"], p["tp"], p["pp"], p["ep"])
+            k = (chip, p["topology"], p["tp"], p["pp"], p["ep"], p.get("attn", "dp"))
             cm = models.get(k)
             if cm is None:
-                cm = models[k] = ChipModel.of(arch, catalog, *k, stack=stack)
+                cm = models[k] = ChipModel.of(arch, catalog, *k[:5], stack=stack, attn=k[5])
             r = cm.step(phase, p["batch"], int(edge))
             new_rows.append([row[i] for i in keep]
                             + [r.latency_s, r.throughput_tok_per_s, bool(r.latency_s <= slo)])

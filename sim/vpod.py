@@ -88,9 +88,10 @@ def vpod_engines(table: StepCostTable, phase: str, max_batch: int, pp: int,
 
 
 class TableCache:
-    """Step-cost tables by allocation (chip, topology, tp, pp, ep) for one model, built on first
-    use (from the chip model) and kept in memory and, with ``on_disk``, in the ``stepcost``
-    cache."""
+    """Step-cost tables by allocation ``(chip, topology, tp, pp, ep, attn)`` for one model
+    (``attn``, the MoE stage layout of :class:`dse.parallel.Parallelism`, may be left off:
+    ``"dp"``), built on first use (from the chip model) and kept in memory and, with
+    ``on_disk``, in the ``stepcost`` cache."""
 
     def __init__(self, arch, catalog, on_disk: bool = True, stack=None):
         """``stack``: the serving-stack profile the engines run (default ``vllm-tpu``)."""
@@ -98,13 +99,16 @@ class TableCache:
         self._tables: dict[tuple, StepCostTable] = {}
 
     def __call__(self, alloc: tuple) -> StepCostTable:
+        if len(alloc) == 5:
+            alloc = (*alloc, "dp")
         t = self._tables.get(alloc)
         if t is None:
             from dse.cache import cache_path
 
             from .chip import ChipModel
-            chip, topo, tp, pp, ep = alloc
-            cm = ChipModel.of(self.arch, self.catalog, chip, topo, tp, pp, ep, stack=self.stack)
+            chip, topo, tp, pp, ep, attn = alloc
+            cm = ChipModel.of(self.arch, self.catalog, chip, topo, tp, pp, ep, stack=self.stack,
+                              attn=attn)
             t = self._tables[alloc] = StepCostTable(
                 cm, cache_dir=cache_path("stepcost") if self.on_disk else None)
         return t

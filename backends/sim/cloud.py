@@ -252,7 +252,7 @@ class SimCloud:
             arch = self._arch(spec.model)
             arch, chip, topo, par = parse_allocation(self.catalog, arch, spec.chip,
                                                      spec.num_chips, spec.topology, spec.tp,
-                                                     spec.pp, spec.ep)
+                                                     spec.pp, spec.ep, spec.attn)
         except (NeuScaleError, ValueError) as e:
             raise _CloudError(400, "INVALID_ARGUMENT", str(e)) from None
         cm = ChipModel(arch, chip, topo, par)
@@ -327,12 +327,13 @@ class SimCloud:
         return web.json_response(v.info().to_json(), status=201)
 
     async def _table(self, arch: ModelArch, spec: VPodSpec):
-        key = (arch.fingerprint(), spec.chip, spec.topology, spec.tp, spec.pp, spec.ep)
+        key = (arch.fingerprint(), spec.chip, spec.topology, spec.tp, spec.pp, spec.ep,
+               spec.attn)
         fut = self._tables.get(key)
         if fut is None:
             fut = self._tables[key] = asyncio.ensure_future(asyncio.to_thread(
                 step_cost_table, arch, self.catalog, spec.chip, spec.topology, spec.tp,
-                spec.pp, spec.ep, self.stack))
+                spec.pp, spec.ep, self.stack, spec.attn))
         try:
             return await asyncio.shield(fut)
         except Exception:

@@ -876,14 +876,16 @@ class EngineServer:
 # ---- construction and the stand-alone command ------------------------------------------------
 
 def step_cost_table(arch: ModelArch, catalog: Catalog, chip: str, topology: str, tp: int,
-                    pp: int = 1, ep: int = 1, stack=None) -> StepCostTable:
+                    pp: int = 1, ep: int = 1, stack=None, attn: str = "dp") -> StepCostTable:
     """The allocation's step-cost table under the serving-stack profile ``stack`` (a name, a
-    JSON profile or a :class:`dse.stacks.StackProfile`; default ``vllm-tpu``), cached on disk
-    under the ``stepcost`` cache."""
+    JSON profile or a :class:`dse.stacks.StackProfile`; default ``vllm-tpu``) and the MoE
+    layout ``attn`` (:class:`dse.parallel.Parallelism`), cached on disk under the
+    ``stepcost`` cache."""
     from dse.cache import cache_path
     from dse.stacks import parse_stack
     from sim.chip import ChipModel
-    cm = ChipModel.of(arch, catalog, chip, topology, tp, pp, ep, stack=parse_stack(stack))
+    cm = ChipModel.of(arch, catalog, chip, topology, tp, pp, ep, stack=parse_stack(stack),
+                      attn=attn)
     return StepCostTable(cm, cache_dir=cache_path("stepcost"))
 
 
@@ -940,10 +942,15 @@ async def _main_async(args: argparse.Namespace) -> None:
     from dse.files import write_atomic
     catalog = default_catalog()
     arch = load_model(args.model)
+    attn = "dp"
     if args.dp:
         args.ep, args.max_num_seqs = args.dp, args.max_num_seqs * args.dp
+    elif args.enable_expert_parallel and arch.is_moe and args.ep == 1 and args.tp > 1:
+        # vLLM's TP + EP without data parallelism: attention TP over the ranks, whole experts
+        # expert-parallel over the same ranks (backends.engine.vllm_argv, layout "tp")
+        args.tp, args.ep, attn = 1, args.tp, "tp"
     table = step_cost_table(arch, catalog, args.chip, args.topology, args.tp, args.pp, args.ep,
-                            args.stack)
+                            args.stack, attn)
     chip = catalog.get(args.chip)
     srv = EngineServer(served_model=args.served_model_name or args.model, arch=arch,
                        table=table, phase=args.phase, max_batch=args.max_num_seqs, pp=args.pp,

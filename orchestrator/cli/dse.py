@@ -71,7 +71,8 @@ def cmd_dse_query(args: argparse.Namespace) -> int:
     unit = db.meta["efficiency_unit"]
     print(f"{args.phase} {args.seq_len} tokens -> bucket <= {e.seq_len}: {e.chip}:{e.topology} "
           f"({e.accelerator_type}, {e.num_chips} chips) tp={e.tp} pp={e.pp} ep={e.ep} "
-          f"max_batch={e.max_batch}")
+          + ("(attention TP over tp*ep) " if e.attn == "tp" else "")
+          + f"max_batch={e.max_batch}")
     print(f"  latency {e.latency_s * 1e3:.2f} ms (SLO {e.slo_s * 1e3:.2f} ms, "
           f"{'met' if e.meets_slo else 'NOT met: lowest-latency allocation'}), {e.bound}-bound")
     print(f"  {e.throughput_tok_per_s:,.0f} tok/s, {e.energy_j_per_token:.4g} J/token, "
@@ -85,7 +86,8 @@ def cmd_dse_query(args: argparse.Namespace) -> int:
         print(f"  Pareto front ({len(out['pareto'])} points):")
         for p in out["pareto"]:
             print(f"    {e.chip}:{p['topology']} tp{p['tp']} pp{p['pp']} ep{p['ep']} "
-                  f"batch {p['batch']}: {p['latency_s'] * 1e3:.2f} ms, "
+                  + ("tpattn " if p["attn"] == "tp" else "")
+                  + f"batch {p['batch']}: {p['latency_s'] * 1e3:.2f} ms, "
                   f"{p['efficiency']:.4g} {unit}")
     return 0
 
@@ -98,23 +100,23 @@ def cmd_dse_cost(args: argparse.Namespace) -> int:
     from dse.builder import DSE, Candidate
     from dse.costmodel import BOUNDS, infeasible_message
     from dse.vpod import VPodConfig
-    from dse.xla_cost import components_for, fit_key
+    from dse.xla_cost import components_for
 
     if args.seq_len > MAX_SEQ_LEN:
         raise NeuScaleError(f"--seq-len {args.seq_len} exceeds the largest bucket ({MAX_SEQ_LEN})")
     cat = catalog(args)
     arch, chip, topo, par = parse_allocation(cat, args.model, args.chip, None, args.topology,
-                                             args.tp, args.pp, args.ep)
+                                             args.tp, args.pp, args.ep, args.attn)
     vpod = VPodConfig.make(chip, topo, cat)
     dse = DSE(arch, cat)
     dse.ensure_fits([par], workers=1, progress=None if not args.json else False)
     r = dse.evaluate(Candidate(chip, topo, par), args.phase, np.asarray([args.batch]),
                      np.asarray([args.seq_len]))
-    fits = [dse.fits.fits[fit_key(c, par.tp, par.ep)] for c in components_for(arch, args.phase)]
+    fits = [dse.fits.fits[par.fit_key(c)] for c in components_for(arch, args.phase)]
     i = (0, 0)
     out = {
         "model": arch.name, "vpod": str(vpod), "accelerator_type": vpod.accelerator_type(cat),
-        "num_chips": vpod.num_chips, "tp": par.tp, "pp": par.pp, "ep": par.ep,
+        "num_chips": vpod.num_chips, "tp": par.tp, "pp": par.pp, "ep": par.ep, "attn": par.attn,
         "phase": args.phase, "batch": args.batch, "seq_len": args.seq_len,
         "scope": "flops/hbm_bytes/ici_bytes: per chip, slowest pipeline stage, one micro-batch "
                  "step; latency_s: TTFT (prefill) or TPOT (decode); energy_j/cost_usd: whole vPod "
@@ -137,7 +139,7 @@ def cmd_dse_cost(args: argparse.Namespace) -> int:
         print_json(out)
         return 0
     print(f"{arch.name} {args.phase} batch {args.batch} x {args.seq_len} tokens on {vpod} "
-          f"({out['accelerator_type']}) tp={par.tp} pp={par.pp} ep={par.ep}")
+          f"({out['accelerator_type']}) {par}")
     print(f"  per chip: {out['flops'] / 1e12:.4g} TFLOP (XLA), {out['hbm_bytes'] / 1e9:.4g} GB HBM "
           f"(fused model; XLA unfused {out['xla_bytes_accessed_unfused'] / 1e9:.4g} GB), "
           f"{out['ici_bytes'] / 1e9:.4g} GB ICI")
@@ -179,7 +181,8 @@ def cmd_dse_show(args: argparse.Namespace) -> int:
                 print(f"{phase:7} {s:>8} (nothing fits)")
                 continue
             print(f"{phase:7} {s:>8} {e.chip + ':' + e.topology:16} {e.accelerator_type:14} "
-                  f"{e.tp:>3} {e.pp:>3} {e.ep:>3} {e.max_batch:>5} {e.latency_s * 1e3:9.2f} "
+                  f"{e.tp:>3} {e.pp:>3} {str(e.ep) + ('t' if e.attn == 'tp' else ''):>3} "
+                  f"{e.max_batch:>5} {e.latency_s * 1e3:9.2f} "
                   f"{e.slo_s * 1e3:9.2f} {'y' if e.meets_slo else 'N':2} {e.efficiency:10.4g} "
                   f"{e.bound:7} " + " ".join(per_chip))
     return 0
@@ -253,7 +256,7 @@ def cmd_dse_verify(args: argparse.Namespace) -> int:
     arch = ModelArch(**db.meta["model_arch"])
     out = verify_db(db, arch, catalog(args))
     out.save(args.out)
-    alloc = lambda e: (e.topology, e.tp, e.pp, e.ep, e.max_batch)  # noqa: E731
+    alloc = lambda e: (e.topology, e.tp, e.pp, e.ep, e.attn, e.max_batch)  # noqa: E731
     changed = sum(alloc(a) != alloc(b) for a, b in zip(db.entries, out.entries))
     ok_before = sum(e.meets_slo for e in db.entries if e.feasible)
     ok_after = sum(e.meets_slo for e in out.entries if e.feasible)
@@ -362,6 +365,10 @@ def add_parallelism(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--tp", type=positive_int("--tp"), required=required)
     p.add_argument("--pp", type=positive_int("--pp"), default=1)
     p.add_argument("--ep", type=positive_int("--ep"), default=1)
+    p.add_argument("--attn", choices=["dp", "tp"], default="dp",
+                   help="MoE stage layout: dp = attention data-parallel over the ep groups "
+                        "(experts TP tp inside each), tp = attention tensor-parallel over tp*ep "
+                        "chips with whole experts expert-parallel over them (default dp)")
     p.add_argument("--topology", help="pod shape, e.g. 2x2x1 (default: most compact)")
 
 

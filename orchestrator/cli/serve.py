@@ -272,8 +272,9 @@ def format_status(s: dict[str, Any]) -> str:
     if cal:
         lines.append("recalibration (measured / modelled latency, per allocation):")
         for c in cal:
+            lay = "-tpattn" if c.get("attn") == "tp" else ""
             lines.append(f"  {c['phase']:7} {c['chip']}:{c['topology']:8} tp{c['tp']}-pp{c['pp']}"
-                         f"-ep{c['ep']}  x{c['factor']:.2f}  ({c['epochs']} epochs)")
+                         f"-ep{c['ep']}{lay}  x{c['factor']:.2f}  ({c['epochs']} epochs)")
     acts = s.get("recent_actions", [])
     if acts:
         lines.append("recent actions:")

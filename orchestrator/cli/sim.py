@@ -17,10 +17,11 @@ from .dse import add_parallelism
 
 
 def _chip_model(cat, model: str, chip: str, num_chips: int | None, topology: str | None,
-                tp: int, pp: int, ep: int, stack: str | None = None):
+                tp: int, pp: int, ep: int, stack: str | None = None, attn: str = "dp"):
     from dse.allocation import parse_allocation
     from sim.chip import ChipModel
-    return ChipModel(*parse_allocation(cat, model, chip, num_chips, topology, tp, pp, ep), stack)
+    return ChipModel(*parse_allocation(cat, model, chip, num_chips, topology, tp, pp, ep, attn),
+                     stack)
 
 
 def cmd_sim_step(args: argparse.Namespace) -> int:
@@ -32,10 +33,11 @@ def cmd_sim_step(args: argparse.Namespace) -> int:
     if missing:
         raise NeuScaleError(f"sim step needs {', '.join(missing)} (or --from-csv IN --out OUT)")
     cm = _chip_model(cat, args.model, args.chip, args.num_chips, args.topology, args.tp,
-                     args.pp, args.ep, args.stack)
+                     args.pp, args.ep, args.stack, args.attn)
     r = cm.step(args.phase, args.batch, args.seq_len)
     out = {"model": cm.arch.name, "vpod": f"{cm.chip.name}:{cm.topo}", "tp": cm.par.tp,
-           "pp": cm.par.pp, "ep": cm.par.ep, "phase": args.phase, "batch": args.batch,
+           "pp": cm.par.pp, "ep": cm.par.ep, "attn": cm.par.attn, "phase": args.phase,
+           "batch": args.batch,
            "seq_len": args.seq_len, **r.to_json(ops=args.ops),
            "memory_bytes_per_chip": r.hbm_bytes_per_chip,
            "fits": r.hbm_bytes_per_chip <= HBM_USABLE_FRACTION * cm.chip.hbm_bytes}
@@ -44,7 +46,7 @@ def cmd_sim_step(args: argparse.Namespace) -> int:
         return 0
     what = "TTFT" if args.phase == "prefill" else "TPOT"
     print(f"{cm.arch.name} {args.phase} batch {args.batch} x {args.seq_len} on {out['vpod']} "
-          f"tp={cm.par.tp} pp={cm.par.pp} ep={cm.par.ep}: {what} {r.latency_s * 1e3:.3f} ms, "
+          f"{cm.par}: {what} {r.latency_s * 1e3:.3f} ms, "
           f"{r.throughput_tok_per_s:,.0f} tok/s, {r.energy_j_per_token:.4g} J/token, "
           f"{r.bound}-bound" + ("" if out["fits"] else "  (does NOT fit in HBM)"))
     if args.ops:
@@ -94,7 +96,8 @@ def _sim_step_csv(args: argparse.Namespace, cat) -> int:
                 ints = {k: int(row[k]) for k in ("num_chips", "tp", "pp", "ep", "batch",
                                                  "seq_len")}
                 cm = _chip_model(cat, row["model"], row["chip"], ints["num_chips"], None,
-                                 ints["tp"], ints["pp"], ints["ep"], args.stack)
+                                 ints["tp"], ints["pp"], ints["ep"], args.stack,
+                                 (row.get("attn") or "dp").strip())
                 r = cm.step(row["phase"].strip(), ints["batch"], ints["seq_len"])
                 out.update(latency_s=f"{r.latency_s:.9g}", energy_j=f"{r.energy_j:.9g}",
                            bound=r.bound)
@@ -140,7 +143,7 @@ def add_parser(sub) -> None:
 
 BENCH_IN = ["model", "chip", "topology", "tp", "pp", "ep", "stack", "max_num_seqs",
             "max_batched_tokens", "workload", "requests", "input_tokens", "output_tokens"]
-BENCH_OPTIONAL = ["num_chips", "chunked_prefill", "trace", "seed"]
+BENCH_OPTIONAL = ["num_chips", "chunked_prefill", "trace", "seed", "attn"]
 
 
 def cmd_sim_bench(args: argparse.Namespace) -> int:
@@ -153,7 +156,8 @@ def cmd_sim_bench(args: argparse.Namespace) -> int:
     if missing:
         raise NeuScaleError(f"sim bench needs {', '.join(missing)} (or --from-csv IN --out OUT)")
     vals = {"model": args.model, "chip": args.chip, "tp": args.tp, "topology": args.topology,
-            "num_chips": args.num_chips, "pp": args.pp, "ep": args.ep, "stack": args.stack,
+            "num_chips": args.num_chips, "pp": args.pp, "ep": args.ep, "attn": args.attn,
+            "stack": args.stack,
             "max_num_seqs": args.max_num_seqs, "max_batched_tokens": args.max_batched_tokens,
             "chunked_prefill": "false" if args.no_chunked_prefill else "true",
             "workload": args.workload, "requests": args.requests,
@@ -166,7 +170,8 @@ def cmd_sim_bench(args: argparse.Namespace) -> int:
 
     def ms(x):
         return "-" if x is None else f"{x * 1e3:.2f} ms"
-    print(f"{r['model']} on {r['chip']}:{r['topology']} tp={r['tp']} pp={r['pp']} ep={r['ep']}, "
+    print(f"{r['model']} on {r['chip']}:{r['topology']} tp={r['tp']} pp={r['pp']} ep={r['ep']}"
+          + (" (attention TP over tp*ep)" if r["attn"] == "tp" else "") + ", "
           f"stack {r['stack']}, max_num_seqs {r['max_num_seqs']}, max_batched_tokens "
           f"{r['max_batched_tokens']}{'' if r['chunked_prefill'] else ', no chunked prefill'}")
     print(f"workload {r['workload']}, {r['requests']} requests, input {r['input_tokens']}, "

@@ -152,7 +152,7 @@ def ideal_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens, output
                 raise NeuScaleError(f"no {phase} best fit at {length} tokens")
             c = catalog.get(e.chip)
             cm = ChipModel.of(arch, catalog, e.chip, e.topology, e.tp, e.pp, e.ep,
-                              stack=db.stack)
+                              stack=db.stack, attn=e.attn)
             r = cm.step(phase, e.max_batch, db.edges[i])
             cache[key] = (r.energy_j / r.tokens, c.vpod_usd(e.num_chips, r.cycle_s) / r.tokens,
                           e.latency_s)
@@ -266,7 +266,7 @@ class _IdealGrid:
             for chip in self.chips:
                 for p in self.db.pareto_for(self.phase, edges[j], chip):
                     a = self._Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"],
-                                    p["ep"], p["batch"])
+                                    p["ep"], p["batch"], p["attn"])
                     cs = [self.pricer.cost(a, self.phase, edges[i]) for i in range(j + 1)]
                     got.append((np.array([1.0 / c.throughput_tok_per_s for c in cs]),
                                 np.array([c.dyn_j_per_token for c in cs]),

@@ -20,7 +20,7 @@ from dse.vpod import VPodState
 from sim.lifecycle import DELETE_S, kv_transfer_s, startup
 from sim.vpod import VPodEngines, vpod_engines
 
-Alloc = tuple[str, str, int, int, int]      # chip, topology, tp, pp, ep
+Alloc = tuple[str, str, int, int, int, str]   # chip, topology, tp, pp, ep, attn
 
 
 @dataclass
@@ -79,7 +79,7 @@ class Fleet:
         self._n += 1
         vid = f"{phase[0]}{self._n}"
         v = SimVPod(vid, group, phase, chip, topology, par.chips,
-                    (chip, topology, par.tp, par.pp, par.ep), max_batch,
+                    (chip, topology, par.tp, par.pp, par.ep, par.attn), max_batch,
                     max(throughput_tok_per_s, 1e-9), now_s, ready_s, failover,
                     dcn_bytes_per_s=c.dcn_bw_bytes_per_s * par.chips)
         self.vpods[vid] = v

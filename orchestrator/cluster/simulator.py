@@ -31,7 +31,6 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from dse.catalog import Catalog, default_catalog
-from dse.costmodel import Parallelism
 from dse.db import BestFitDB
 from dse.errors import NeuScaleError
 from dse.models import ModelArch
@@ -194,7 +193,7 @@ class ClusterSim:
         or TPOT (decode: its full batch at KV ``length``) of a group's allocation on the chip
         model: the policy's latency oracle."""
         e = spec.entry
-        t = self.table((e.chip, e.topology, e.tp, e.pp, e.ep))
+        t = self.table(e.alloc_key)
         b, n = float(engine_batch(e.max_batch, e.pp)), float(length)
         if phase == "prefill":
             return t.step1(b * n, b * n * (n + 1) / 2, 0.0, 0.0)[0]
@@ -536,7 +535,7 @@ class ClusterSim:
         """One vPod of ``a``'s group: the group's best fit, or (fail-over) the DB entry of the
         action's chip and topology."""
         e = self._entry_for(phase, a.chip, a.topology) if a.failover else best
-        self.fleet.create(phase, a.group, a.chip, a.topology, Parallelism(e.tp, e.pp, e.ep),
+        self.fleet.create(phase, a.group, a.chip, a.topology, e.parallelism,
                           e.max_batch, e.throughput_tok_per_s, at_s, a.failover)
 
     def _entry_for(self, phase: str, chip: str, topology: str):

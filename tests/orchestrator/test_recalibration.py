@@ -21,7 +21,7 @@ from orchestrator.pricing import Alloc, CalibratedPricer, ChipModelPricer
 from sim.vpod import TableCache
 
 ARCH = load_model("llama3-8b")
-KEY = ("v6e", "2x2", 4, 1, 1, "decode")
+KEY = ("v6e", "2x2", 4, 1, 1, "dp", "decode")
 
 
 def test_factors_smooth_bound_and_default_to_the_phases_mean():
@@ -31,12 +31,12 @@ def test_factors_smooth_bound_and_default_to_the_phases_mean():
     assert c.update(KEY, 0.010, 0.010) == pytest.approx(math.sqrt(3.0))  # log-space EWMA 1/2
     assert c.update(KEY, 1.0, 0.001) <= HIGH and c.update(KEY, 1e-6, 1.0) >= LOW
     assert c.update(KEY, float("nan"), 1.0) is None and c.update(KEY, 1.0, 0.0) is None
-    other = ("v5p", "2x2x1", 4, 1, 1, "decode")
+    other = ("v5p", "2x2x1", 4, 1, 1, "dp", "decode")
     c2 = Calibration()
     c2.update(KEY, 0.02, 0.01)
-    c2.update(("v5e", "2x4", 8, 1, 1, "decode"), 0.08, 0.01)
+    c2.update(("v5e", "2x4", 8, 1, 1, "dp", "decode"), 0.08, 0.01)
     assert c2.factor(other) == pytest.approx(math.sqrt(2 * 4))   # unobserved: phase's mean
-    assert c2.factor(other[:5] + ("prefill",)) == 1.0             # another phase: nothing
+    assert c2.factor(other[:6] + ("prefill",)) == 1.0             # another phase: nothing
     back = Calibration.from_json(json.loads(json.dumps(c2.to_json())))
     assert back.factors == c2.factors
     assert Calibration.from_json([{"chip": "v6e"}, "junk", {"factor": "x"}]).factors == {}
@@ -59,8 +59,8 @@ def test_parse_metrics_sums_label_sets_and_ignores_the_rest():
 
 def test_decode_factor_is_measured_over_modelled_tpot_at_the_observed_batch():
     tables = TableCache(ARCH, default_catalog(), on_disk=False)
-    r = Recalibrator(lambda k: tables(k[:5]))
-    t = tables(KEY[:5])
+    r = Recalibrator(lambda k: tables(k[:6]))
+    t = tables(KEY[:6])
     n, frac = 16, 0.05
     kv = frac * t.kv_capacity_tokens
     model = float(t.step(0.0, 0.0, float(n), kv)[0])
@@ -104,7 +104,8 @@ def test_slower_engines_make_the_policy_add_capacity(llama8b_db):
     p0 = pol.plan(obs)
     for chip in db.chips:                          # every decode allocation measured 2x slower
         for p in db.pareto_for("decode", db.edges[i], chip):
-            cal.update((chip, p["topology"], p["tp"], p["pp"], p["ep"], "decode"), 0.02, 0.01)
+            cal.update((chip, p["topology"], p["tp"], p["pp"], p["ep"], p.get("attn", "dp"),
+                        "decode"), 0.02, 0.01)
     plan = pol.plan(obs)                           # the policy sees the new version
     # twice the chips (llama3-8b: 3 v5p-4 TP 4 vPods become 3 v5p-8 TP 8 ones, whose
     # corrected TPOT still meets the SLO at their batch)
@@ -113,8 +114,8 @@ def test_slower_engines_make_the_policy_add_capacity(llama8b_db):
         if not n:
             continue
         e = plan.groups[g].entry
-        lat = pricer.cost(Alloc(e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep, e.max_batch),
-                          "decode", db.edges[i]).latency_s
+        lat = pricer.cost(Alloc(e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep, e.max_batch,
+                                e.attn), "decode", db.edges[i]).latency_s
         assert lat <= db.meta["slo_s"]["decode"][i] * (1 + 1e-9)
 
 
