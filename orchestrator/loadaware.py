@@ -63,6 +63,8 @@ import numpy as np
 
 from dse.db import BestFitDB
 
+from dse.vpod import VPodState
+
 from .policy import (Action, ActionKind, GroupSpec, Observation, Plan, Policy, PolicyConfig,
                      PolicyState, _GroupLoad)
 from .pricing import (Alloc, ChipModelPricer, LoadCost, Pricer, _max_busy, cost_per_s,
@@ -99,10 +101,12 @@ class LoadAwarePolicy(Policy):
         self._fronts: dict[tuple[int, ...], dict | None] = {}
         self._need: dict[str, int] = {}        # per group: vPods its last epoch's peak needs
         self._priced_at = getattr(pricer, "version", 0)   # a calibrated pricer's factors
+        self._inherited: dict[str, int] = {}   # per group: capacity taken over this plan
 
     def plan(self, obs: Observation, state: PolicyState | None = None) -> Plan:
         """:meth:`Policy.plan`, after dropping prices cached before the live correction
         factors last moved (:class:`orchestrator.pricing.CalibratedPricer`)."""
+        self._inherited = {}
         v = getattr(self.pricer, "version", 0)
         if v != self._priced_at:
             self._priced_at = v
@@ -187,7 +191,14 @@ class LoadAwarePolicy(Policy):
               now_s: float) -> tuple[int, str]:
         n_epoch = max(1, int(round(self.cfg.epoch_s / self.cfg.sample_s)))
         self._need[spec.id] = self._n_pod(spec.id, float(s[-n_epoch:].max()), T)
-        return super()._size(spec, s, T, gs, current, now_s)
+        moved = self._inherited.get(spec.id, 0)
+        if not moved:
+            return super()._size(spec, s, T, gs, current, now_s)
+        # the growth limit counts from its own vPods plus the capacity it takes over
+        want, why = super()._size(spec, s, T, gs, current + moved, now_s)
+        need = self._n_pod(spec.id, max(self._recent_peak(s), gs.ewma_peak), T)
+        want = max(current, min(want, need))
+        return want, why + f" (growth counted from {current} + {moved} vPods' worth taken over)"
 
     def _emergency(self, spec: GroupSpec, vpods: list, queue: int, want: int,
                    why: str, gs) -> tuple[int, str]:
@@ -240,6 +251,7 @@ class LoadAwarePolicy(Policy):
         new = self._partition(buckets, window, mean, fallback)
         cur = self._current_partition(buckets, window, mean, state, fallback)
         parts, why = self._settle(new, cur, obs, state)
+        self._inherited = self._capacity_moved(parts, window, buckets, obs, state)
         b2g.clear()
         state.chosen, state.allocs = {}, {}
         for seg, spec, cost in parts:
@@ -250,6 +262,40 @@ class LoadAwarePolicy(Policy):
             state.allocs[spec.id] = spec
             actions.append(Action(ActionKind.CHOOSE, spec.id, self._why(spec, cost, why),
                                   spec.entry.chip, spec.entry.topology, 0))
+
+    def _capacity_moved(self, parts: list, window: np.ndarray, buckets: list[int],
+                        obs: Observation, state: PolicyState) -> dict[str, int]:
+        """Per group of the new grouping, the running capacity (in its own vPods) of the
+        groups whose buckets it takes over: each old group's vPods x throughput, shared by the
+        load of its buckets that move. A group that absorbs another's buckets is not a group
+        growing from its own few vPods: the doubling limit counts from the capacity that
+        served those buckets (without it, Llama3.1-405B at the Azure day's 17:00 peak moved
+        the buckets of 13 vPods into a group of 1, capped it at 2, and the queue that built
+        up ran the emergency rule to 897 vPods)."""
+        col = {i: k for k, i in enumerate(buckets)}
+        peak = window.max(axis=0) if window.size else np.zeros(len(buckets))
+        cap: dict[str, float] = {}
+        old_of: dict[str, list[int]] = {}
+        for i, h in state.chosen.items():
+            if i in col:
+                old_of.setdefault(h, []).append(i)
+        for v in obs.inventory:
+            if v.state != VPodState.DRAINING:
+                cap[v.group] = cap.get(v.group, 0.0) + (v.throughput_tok_per_s or 0.0)
+        out: dict[str, int] = {}
+        for seg, spec, _ in parts:
+            moved = 0.0
+            for h, olds in old_of.items():
+                if h == spec.id or not cap.get(h):
+                    continue
+                tot = float(sum(peak[col[i]] for i in olds))
+                here = float(sum(peak[col[i]] for i in olds if i in seg))
+                if tot > 0 and here > 0:
+                    moved += cap[h] * here / tot
+            t = spec.entry.throughput_tok_per_s
+            if moved > 0 and t > 0:
+                out[spec.id] = math.ceil(moved / t - 1e-9)
+        return out
 
     def _settle(self, new: list, cur: list | None, obs: Observation, state: PolicyState
                 ) -> tuple[list, str]:

@@ -7,7 +7,7 @@ import pytest
 from dse import load_model
 from orchestrator.cluster import ClusterConfig, ClusterSim, ideal_at_load_report
 from orchestrator.loadaware import LoadAwarePolicy, alloc_of
-from orchestrator.policy import Observation, Policy, PolicyConfig, VPodRecord
+from orchestrator.policy import GroupSpec, Observation, Policy, PolicyConfig, VPodRecord
 from orchestrator.pricing import ChipModelPricer, erlang_c, servers_needed
 from orchestrator.registry import make_policies
 
@@ -419,3 +419,31 @@ def test_a_new_length_no_running_group_can_take_gets_a_group_of_its_own(db, pric
     assert plan.routing.groups[i] == g0 and "kept" in chosen(plan)[g0].reason
     gj = plan.routing.groups[j]
     assert gj != g0 and pol._meets(plan.groups[gj], j)
+
+
+def test_a_group_that_takes_over_buckets_grows_from_the_capacity_that_served_them(db, pricer):
+    """Re-grouping moves the buckets of a group of 12 vPods into one of 1: the doubling limit
+    counts from the capacity that served those buckets, not from the absorbing group's own
+    vPod (Llama3.1-405B on the Azure day's peak: capped at 2, the queue ran the emergency
+    rule to 897 vPods)."""
+    from orchestrator.policy import GroupState, PolicyState
+    small, big = db.entry_at("prefill", 10), db.entry_at("prefill", 20)
+    g, h = GroupSpec.of(big), GroupSpec.of(small, prefix="old-")
+    pol = LoadAwarePolicy(db, "prefill", pricer=pricer)
+    T = g.entry.throughput_tok_per_s
+    inv = ([VPodRecord(f"h{k}", h.id, small.chip, small.topology, small.num_chips,
+                       throughput_tok_per_s=small.throughput_tok_per_s) for k in range(12)]
+           + [VPodRecord("g0", g.id, big.chip, big.topology, big.num_chips,
+                         throughput_tok_per_s=T)])
+    state = PolicyState(chosen={10: h.id, 11: h.id, 20: g.id})
+    window = np.array([[5.0, 5.0, 1.0]] * 3)
+    obs = Observation(0.0, {}, inventory=inv)
+    moved = pol._capacity_moved([([10, 11, 20], g, None)], window, [10, 11, 20], obs, state)
+    assert moved == {g.id: math.ceil(12 * small.throughput_tok_per_s / T - 1e-9)}
+    pol._inherited = moved
+    need_rate = 9.0 * T                                   # 9 vPods' worth of load
+    want, why = pol._size(g, np.full(N, need_rate), T, GroupState(), 1, 0.0)
+    assert want == min(9, 2 * (1 + moved[g.id])) and want > 2
+    assert "taken over" in why
+    pol._inherited = {}                                   # without it: the paper's x2 cap
+    assert pol._size(g, np.full(N, need_rate), T, GroupState(), 1, 0.0)[0] == 2
