@@ -32,6 +32,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+import numpy as np
+
 from .errors import NeuScaleError
 from .files import MiB, read_text
 
@@ -101,10 +103,9 @@ class ChipSpec:
         would draw more is priced at that power (its time is the model's)."""
         if self.measured_max_power_w is None:
             return energy_j
-        import numpy as np
-        return np.minimum(energy_j, self.measured_max_power_w * num_chips * seconds) \
-            if isinstance(energy_j, np.ndarray) else \
-            min(energy_j, self.measured_max_power_w * num_chips * seconds)
+        cap = self.measured_max_power_w * num_chips * seconds
+        return np.minimum(energy_j, cap) if isinstance(energy_j, np.ndarray) or \
+            isinstance(cap, np.ndarray) else min(energy_j, cap)
 
     @property
     def all_names(self) -> tuple[str, ...]:

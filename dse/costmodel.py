@@ -477,10 +477,10 @@ def _schedule(oc: OnChip, t_stage, dyn_total, t_sum, stack: StackProfile):
     as the chip model's :meth:`sim.chip.ChipModel.step` does."""
     w, par, chip = oc.work, oc.work.par, oc.chip
     m = w.m
-    oh = stack.step_s + stack.per_seq_s * np.ceil(w.B / m)
+    b_mb = np.ceil(w.B / m)
 
     def step(device):
-        return np.maximum(device, oh) if stack.overlap else device + oh
+        return stack.step_time_s(device, b_mb)
     if w.phase == "prefill":
         latency = step(t_sum) + (m - 1) * t_stage
         cycle = step(m * t_stage)

@@ -29,8 +29,10 @@ checks that must see the hardware alone.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
+
+import numpy as np
 
 from .errors import NeuScaleError
 
@@ -61,12 +63,15 @@ class StackProfile:
         """Host time of one engine step that schedules ``seqs`` sequences."""
         return self.step_s + self.per_seq_s * seqs
 
-    def step_time_s(self, device_s: float, seqs: float) -> float:
+    def step_time_s(self, device_s, seqs):
         """A step's wall time from its device time: plus the host time, or with ``overlap``
         (async scheduling: the host prepares step n+1 while the device runs step n) the
-        longer of the two."""
+        longer of the two. Floats or numpy arrays (the roofline's grids)."""
         host = self.step_overhead_s(seqs)
-        return max(device_s, host) if self.overlap else device_s + host
+        if not self.overlap:
+            return device_s + host
+        return np.maximum(device_s, host) if isinstance(device_s, np.ndarray) or \
+            isinstance(host, np.ndarray) else max(device_s, host)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -186,13 +191,13 @@ def parse_stack(text: "str | StackProfile | None") -> StackProfile:
         raise NeuScaleError(f"stack profile {t[:60]!r} is not valid JSON ({e})") from None
     if not isinstance(d, dict) or not isinstance(d.get("name"), str):
         raise NeuScaleError("a stack profile given as JSON must be an object with a \"name\"")
-    known = {"name", "step_s", "per_seq_s", "request_s", "attn_decode_eff",
-             "attn_prefill_eff", "overlap"}
+    known = {f.name for f in fields(StackProfile)} - {"sources", "description"}
     extra = set(d) - known
     if extra:
         raise NeuScaleError(f"stack profile {d['name']!r}: unknown field(s) {sorted(extra)}; "
                             f"known: {', '.join(sorted(known))}")
-    missing = {"step_s", "per_seq_s", "request_s"} - set(d)
+    missing = {f.name for f in fields(StackProfile)
+               if f.default is MISSING and f.default_factory is MISSING} - set(d)
     if missing:
         raise NeuScaleError(f"stack profile {d['name']!r}: missing {', '.join(sorted(missing))}")
     if not isinstance(d.get("overlap", False), bool):

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import aiohttp
 
-from backends.base import (Backend, BackendError, ConfigError, QuotaError, TransientError,
+from backends.base import (Backend, BackendError, ConfigError, QuotaError,
                            VPodInfo, VPodSpec, label_value, with_retries)
 from dse.db import BestFitDB, Entry
 from dse.vpod import VPodState

@@ -78,6 +78,15 @@ def alloc_of(spec: GroupSpec) -> Alloc:
     return Alloc(e.chip, e.topology, e.num_chips, e.tp, e.pp, e.ep, e.max_batch, e.attn)
 
 
+def _spec_of(base, a: Alloc, c, meets_slo: bool) -> GroupSpec:
+    """The group of allocation ``a`` priced at ``c``, from its chip's best-fit entry."""
+    return GroupSpec.of(replace(base, topology=a.topology, num_chips=a.num_chips, tp=a.tp,
+                                pp=a.pp, ep=a.ep, attn=a.attn, max_batch=a.batch,
+                                latency_s=c.latency_s,
+                                throughput_tok_per_s=c.throughput_tok_per_s,
+                                meets_slo=meets_slo))
+
+
 class LoadAwarePolicy(Policy):
     """:class:`Policy` with the allocation of every group chosen at its load (module doc)."""
 
@@ -446,24 +455,11 @@ class LoadAwarePolicy(Policy):
         if not getattr(self.pricer, "version", 0):
             return None
         best = None
-        for chip in (self.chips or self.db.chips):
-            base = self._entry(i, chip)
-            if base is None:
-                continue
-            for p in self.db.pareto_for(self.phase, self.edges[i], chip):
-                a = Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"], p["ep"],
-                          p["batch"], p.get("attn", "dp"))
-                c = self.pricer.cost(a, self.phase, self.edges[i])
-                if best is None or (c.latency_s, -c.throughput_tok_per_s) < best[0]:
-                    best = ((c.latency_s, -c.throughput_tok_per_s), base, a, c)
-        if best is None:
-            return None
-        _, base, a, c = best
-        return GroupSpec.of(replace(base, topology=a.topology, num_chips=a.num_chips, tp=a.tp,
-                                    pp=a.pp, ep=a.ep, attn=a.attn, max_batch=a.batch,
-                                    latency_s=c.latency_s,
-                                    throughput_tok_per_s=c.throughput_tok_per_s,
-                                    meets_slo=False))
+        for base, a in self._pareto_allocs(i, verified_only=False):
+            c = self.pricer.cost(a, self.phase, self.edges[i])
+            if best is None or (c.latency_s, -c.throughput_tok_per_s) < best[0]:
+                best = ((c.latency_s, -c.throughput_tok_per_s), base, a, c)
+        return None if best is None else _spec_of(*best[1:], meets_slo=False)
 
     def _step(self, j: int, front: dict, window: np.ndarray, mean: np.ndarray, best: list,
               best_arr: np.ndarray, how: list, energy: bool) -> None:
@@ -559,35 +555,36 @@ class LoadAwarePolicy(Policy):
         """The Pareto points of bucket ``buckets[j]`` (allowed chips) as group specs, each
         priced at every bucket up to it: 1 / throughput, dynamic energy per token, SLO met
         (with the decode margin), slack, static cost per second, servers per vPod."""
-        leader = buckets[j]
-        edge = self.edges[leader]
         seg = buckets[:j + 1]
+        slo = np.array([self._slo[i] for i in seg])
         out = []
+        for base, a in self._pareto_allocs(buckets[j], verified_only=True):
+            costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in seg]
+            c = costs[-1]
+            lat = np.array([x.latency_s for x in costs])
+            out.append((_spec_of(base, a, c, meets_slo=True), {
+                "inv_t": np.array([1.0 / x.throughput_tok_per_s for x in costs]),
+                "dyn": np.array([x.dyn_j_per_token for x in costs]),
+                "ok": lat <= slo * self._margin,
+                "slack": (np.maximum(slo / lat - 1.0, 0.0) if self.phase == "prefill"
+                          else np.zeros(len(seg))),
+                "static": static_per_s(c, self.metric),
+                "per_vpod": self.per_vpod(costs, seg)}))
+        return out
+
+    def _pareto_allocs(self, i: int, verified_only: bool):
+        """(best-fit entry of the chip, allocation) for every Pareto point of bucket ``i`` on
+        the allowed chips; ``verified_only``: without the points `dse verify` found to miss
+        their SLO on the chip model."""
         for chip in (self.chips or self.db.chips):
-            base = self._entry(leader, chip)
+            base = self._entry(i, chip)
             if base is None:
                 continue
-            for p in self.db.pareto_for(self.phase, edge, chip):
-                if p.get("cm_meets_slo") is False:    # `dse verify` found it misses its SLO
+            for p in self.db.pareto_for(self.phase, self.edges[i], chip):
+                if verified_only and p.get("cm_meets_slo") is False:
                     continue
-                a = Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"], p["ep"],
-                          p["batch"], p["attn"])
-                costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in seg]
-                c = costs[-1]
-                e = replace(base, topology=a.topology, num_chips=a.num_chips, tp=a.tp, pp=a.pp,
-                            ep=a.ep, attn=a.attn, max_batch=a.batch, latency_s=c.latency_s,
-                            throughput_tok_per_s=c.throughput_tok_per_s, meets_slo=True)
-                lat = np.array([x.latency_s for x in costs])
-                slo = np.array([self._slo[i] for i in seg])
-                out.append((GroupSpec.of(e), {
-                    "inv_t": np.array([1.0 / x.throughput_tok_per_s for x in costs]),
-                    "dyn": np.array([x.dyn_j_per_token for x in costs]),
-                    "ok": lat <= slo * self._margin,
-                    "slack": (np.maximum(slo / lat - 1.0, 0.0) if self.phase == "prefill"
-                              else np.zeros(len(seg))),
-                    "static": static_per_s(c, self.metric),
-                    "per_vpod": self.per_vpod(costs, seg)}))
-        return out
+                yield base, Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"],
+                                  p["ep"], p["batch"], p.get("attn", "dp"))
 
     def _why(self, spec: GroupSpec, c: LoadCost, what: str) -> str:
         unit = "J" if self.metric == "energy" else "USD"

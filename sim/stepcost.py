@@ -332,10 +332,7 @@ class StepCostTable:
         dyn = dyn + np.where(has_p, _interp2(gt2, gc, ep_, p, per_p), 0.0)
         lat = lat + np.where(has_d, _interp2(gs2, gc, td, nd, per_d), 0.0)
         dyn = dyn + np.where(has_d, _interp2(gs2, gc, ed, nd, per_d), 0.0)
-        host = self._oh_step + self._oh_seq * (np.asarray(n_decode, dtype=np.float64) + has_p)
-        lat = np.maximum(lat, host) if self._overlap else lat + host
-        return lat, np.minimum(dyn + self.static_power_w * self.num_chips * lat,
-                               self._pmax_w * lat)
+        return self._with_host_v(lat, dyn, np.asarray(n_decode, dtype=np.float64) + has_p)
 
     def step1(self, prefill_tokens: float, prefill_ctx: float, n_decode: float,
               decode_kv: float) -> tuple[float, float]:
@@ -349,19 +346,13 @@ class StepCostTable:
         gc = self._s[2]
         lo, hi, last = gc[0], gc[-1], len(gc) - 2
         lr, er = row[2], row[3]
-        w = self.static_power_w * self.num_chips
-        oh = self._oh_step + self._oh_seq * n
-        ov = self._overlap
         out = []
         for kv in (kv0, kv1):
             ly = min(max(math.log(kv / n), lo), hi)
             j = min(max(bisect_right(gc, ly) - 1, 0), last)
             f = (ly - gc[j]) / (gc[j + 1] - gc[j])
-            lat = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j]))
-            lat = (lat if lat > oh else oh) if ov else lat + oh
-            out.append(lat)
-            e = row[1] + math.exp(er[j] + f * (er[j + 1] - er[j])) + w * lat
-            out.append(e if e < self._pmax_w * lat else self._pmax_w * lat)
+            out += self._with_host(row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j])),
+                                   row[1] + math.exp(er[j] + f * (er[j + 1] - er[j])), n)
         return out[0], out[1], out[2], out[3]
 
     def _decode_run(self, nd_glob: float, kv: np.ndarray):
@@ -380,10 +371,7 @@ class StepCostTable:
         dyn_row = (1 - fx) * ed[i] + fx * ed[i + 1]
         att = np.exp(np.interp(ly, gc, lat_row))
         att_e = np.exp(np.interp(ly, gc, dyn_row))
-        host = self._oh_step + self._oh_seq * nd_glob
-        lat = np.maximum(lat0 + att, host) if self._overlap else lat0 + att + host
-        return lat, np.minimum(dyn0 + att_e + self.static_power_w * self.num_chips * lat,
-                               self._pmax_w * lat)
+        return self._with_host_v(lat0 + att, dyn0 + att_e, nd_glob)
 
     def _decode_row(self, nd_glob: float) -> tuple:
         """Everything of a decode-only step of ``nd_glob`` sequences but the KV length: the
@@ -406,13 +394,21 @@ class StepCostTable:
         return v
 
     def _with_host(self, dev: float, dyn: float, seqs: float) -> tuple[float, float]:
-        """A step's latency and energy from its device time: the stack's host time added, or
-        (``overlap``: the host prepares the next step while this one runs) the longer of the
-        two; static power over the whole step."""
+        """A step's latency and energy from its device time and dynamic energy: the stack's
+        host time added, or (``overlap``: the host prepares the next step while this one runs)
+        the longer of the two; static power over the whole step; the energy bounded by the
+        chip's measured maximum power. Python floats (the engines' scalar paths)."""
         host = self._oh_step + self._oh_seq * seqs
         lat = (dev if dev > host else host) if self._overlap else dev + host
         e = dyn + self.static_power_w * self.num_chips * lat
         return lat, (e if e < self._pmax_w * lat else self._pmax_w * lat)
+
+    def _with_host_v(self, dev, dyn, seqs):
+        """:meth:`_with_host` on arrays (the vectorised paths)."""
+        host = self._oh_step + self._oh_seq * seqs
+        lat = np.maximum(dev, host) if self._overlap else dev + host
+        return lat, np.minimum(dyn + self.static_power_w * self.num_chips * lat,
+                               self._pmax_w * lat)
 
     def _step_scalar(self, p: float, ctx: float, nd_glob: float, kv: float):
         if p == 0.0 and nd_glob > 0.0 and kv > 0.0:      # decode-only: the common case
@@ -422,12 +418,8 @@ class StepCostTable:
             j = min(max(bisect_right(gc, ly) - 1, 0), len(gc) - 2)
             f = (ly - gc[j]) / (gc[j + 1] - gc[j])
             lr, er = row[2], row[3]
-            dev = row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j]))
-            host = self._oh_step + self._oh_seq * nd_glob
-            lat = (dev if dev > host else host) if self._overlap else dev + host
-            e = (row[1] + math.exp(er[j] + f * (er[j + 1] - er[j]))
-                 + self.static_power_w * self.num_chips * lat)
-            return lat, (e if e < self._pmax_w * lat else self._pmax_w * lat)
+            return self._with_host(row[0] + math.exp(lr[j] + f * (lr[j + 1] - lr[j])),
+                                   row[1] + math.exp(er[j] + f * (er[j + 1] - er[j])), nd_glob)
         if nd_glob == 0.0 and p > 0.0:                  # prefill-only (P/D prefill vPods)
             got = self._prefill_memo.get((p, ctx))
             if got is not None:

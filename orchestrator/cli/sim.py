@@ -12,7 +12,7 @@ from dse.costmodel import HBM_USABLE_FRACTION
 from dse.errors import NeuScaleError
 
 from .common import (add_common, add_stack, catalog, check_out_file, number, positive_int,
-                     print_json)
+                     print_json, progress_bar)
 from .dse import add_parallelism
 
 
@@ -200,11 +200,11 @@ def _sim_bench_csv(args: argparse.Namespace, cat) -> int:
                             f"{','.join(BENCH_OPTIONAL)}; others are copied through)")
     out_cols = cols + [c for c in RESULT_COLUMNS + ["error"] if c not in cols]
     n_err = 0
-    progress = _progress(len(rows), args.json)
+    bar = progress_bar(not args.json and len(rows) > 1, len(rows), "sim bench", "row")
     with open(args.out, "w", newline="") as oh:
         w = csv.DictWriter(oh, fieldnames=out_cols, extrasaction="ignore")
         w.writeheader()
-        for i, row in enumerate(rows):
+        for row in rows:
             out = {k: row.get(k, "") for k in cols}
             out.update({k: "" for k in RESULT_COLUMNS}, error="")
             try:
@@ -214,22 +214,13 @@ def _sim_bench_csv(args: argparse.Namespace, cat) -> int:
                 out["error"] = str(e).replace("\n", " ")
                 n_err += 1
             w.writerow(out)
-            progress(i + 1)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
     msg = {"rows": len(rows), "errors": n_err, "out": args.out}
     print_json(msg) if args.json else print(f"wrote {args.out}: {len(rows)} rows, {n_err} errors")
     return 0
-
-
-def _progress(total: int, quiet: bool):
-    """A one-line progress counter on a terminal (stderr), nothing otherwise."""
-    import sys
-    if quiet or not sys.stderr.isatty() or total < 2:
-        return lambda done: None
-
-    def show(done: int) -> None:
-        end = "\n" if done >= total else ""
-        print(f"\rsim bench: {done}/{total} rows", end=end, file=sys.stderr, flush=True)
-    return show
 
 
 def add_bench_parser(ssub) -> None:
