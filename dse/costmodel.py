@@ -42,7 +42,8 @@ from .models import BYTES_PER_PARAM, ModelArch
 # The split of a model over chips and the torus collectives live in their own modules (the chip
 # model uses them too); the names are re-exported here, where callers have always found them.
 from .stacks import StackProfile, get_stack
-from .parallel import (ATTN_LAYOUTS, Parallelism, dispatch_tokens, enumerate_parallelisms,
+from .parallel import (ATTN_LAYOUTS, Parallelism, busiest_active_experts, dispatch_tokens,
+                       enumerate_parallelisms,
                        max_weights_bytes, stage_layout, stage_weights, validate_parallelism,
                        weight_bytes)
 from .torus import (Collective, allgather_cost, allreduce_cost, alltoall_cost, collectives,
@@ -209,7 +210,8 @@ class CostModel:
     def _moe(self, par: Parallelism, g: "_Grid", d: ShardDims, W: dict[str, float],
              L: "_Layers") -> np.ndarray:
         """Router + shared expert and routed experts (only experts that receive a token are
-        read); returns the routed experts' live activations."""
+        read, on the busiest expert group: :func:`dse.parallel.busiest_active_experts`);
+        returns the routed experts' live activations."""
         H, ones, t_attn = d.hidden, g.ones, g.t_attn
         ft = self._fit("moe_tok", par)
         fe = self._fit("experts", par)
@@ -220,7 +222,8 @@ class CostModel:
         c = routed / d.n_experts_total                 # tokens per expert (mean)
         L.flops["experts"] = fe.flops_at(c) * ones
         p_active = 1.0 - np.power(1.0 - d.top_k / d.n_experts_total, g.b_mb * g.q_tok)
-        L.hbm_bytes["experts"] = (d.experts * p_active * W["expert"] * g.n_pass
+        active = busiest_active_experts(d.experts, d.n_experts_total, p_active)
+        L.hbm_bytes["experts"] = (active * W["expert"] * g.n_pass
                                   + d.experts * c * (2 * H + 2 * d.moe_inter) * B2) * ones
         L.xla_bytes["moe"] = (ft.xla_bytes_at(t_attn) + fe.xla_bytes_at(c)) * ones
         return d.experts * c * g.t_act / t_attn * (2 * H + 2 * d.moe_inter) * B2

@@ -17,6 +17,17 @@ Fields (SI units):
 * ``overlap`` - the host prepares step n+1 while the device runs step n (vLLM's async
   scheduling, sglang's overlap scheduler): a step takes the longer of device and host time
   instead of their sum.
+* ``mixed_prefill`` - a step may carry prompt chunks and decodes together (vLLM's chunked
+  prefill). Off: a step prefills or decodes, never both, and waiting prompts go first (sglang's
+  default scheduler, JetStream's interleaving) - every decoding request stalls for each prefill
+  step. Only engines that serve both phases (``sim bench``) see it.
+* ``pad_tokens`` - the step's prompt tokens are padded as sglang-jax pads them to its
+  precompiled shapes: every data-parallel attention rank runs the busiest rank's token count
+  and the total is rounded up to a power of two of at least ``pad_tokens`` (0: no padding).
+  The padding runs through every matmul and the MoE, not through attention.
+* ``moe_dispatch`` - how routed tokens reach their experts: ``"a2a"`` (all-to-all of each
+  token to its experts' chips) or ``"allgather"`` (every token to every chip of the expert
+  group, partial outputs summed by an all-reduce: sglang-jax's EPMoE).
 * ``attn_decode_eff`` / ``attn_prefill_eff`` - the attention kernels' achieved fraction of what
   the chip model's kernels reach (ragged paged attention: page gathers, padding of ragged
   batches, grid overheads). The chip model's attention operators take ``time / eff``.
@@ -37,6 +48,9 @@ import numpy as np
 from .errors import NeuScaleError
 
 
+MOE_DISPATCH = ("a2a", "allgather")
+
+
 @dataclass(frozen=True)
 class StackProfile:
     name: str
@@ -46,6 +60,9 @@ class StackProfile:
     attn_decode_eff: float = 1.0
     attn_prefill_eff: float = 1.0
     overlap: bool = False
+    mixed_prefill: bool = True
+    pad_tokens: int = 0
+    moe_dispatch: str = "a2a"
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -58,6 +75,32 @@ class StackProfile:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise NeuScaleError(f"stack {self.name!r}: {k} must be in (0, 1] (got {v!r})")
+        for k in ("overlap", "mixed_prefill"):
+            if not isinstance(getattr(self, k), bool):
+                raise NeuScaleError(f"stack {self.name!r}: {k} must be true or false")
+        v = self.pad_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > 1 << 20 \
+                or (v and v & (v - 1)):
+            raise NeuScaleError(f"stack {self.name!r}: pad_tokens must be 0 or a power of two "
+                                f"up to {1 << 20:,} (got {v!r})")
+        if self.moe_dispatch not in MOE_DISPATCH:
+            raise NeuScaleError(f"stack {self.name!r}: moe_dispatch must be one of "
+                                f"{', '.join(MOE_DISPATCH)} (got {self.moe_dispatch!r})")
+
+    def padded_prefill(self, tokens, ranks: int = 1):
+        """Prompt tokens each data-parallel attention rank runs in a step of ``tokens`` prompt
+        tokens (the whole step's; per rank without padding: ``tokens / ranks``). With
+        ``pad_tokens``: the busiest rank holds them all (one prompt per step, what a
+        closed-loop client sees most; a step of prompts on several ranks is priced as if on
+        one), every rank runs as many, and the total is a power of two of at least
+        ``pad_tokens``. Floats or numpy arrays; 0 stays 0."""
+        t = np.asarray(tokens, dtype=np.float64)
+        if not self.pad_tokens:
+            out = t / ranks
+        else:
+            tot = np.maximum(t * ranks, self.pad_tokens)
+            out = np.where(t > 0, np.exp2(np.ceil(np.log2(np.maximum(tot, 1.0)))) / ranks, 0.0)
+        return float(out) if np.ndim(tokens) == 0 else out
 
     def step_overhead_s(self, seqs: float) -> float:
         """Host time of one engine step that schedules ``seqs`` sequences."""
@@ -120,8 +163,11 @@ JETSTREAM = StackProfile(
     # chip model's 10.5 ms device time at KV 1024 (AI-Hypercomputer/JetStream benchmarks)
     step_s=5.0e-3, per_seq_s=0.0,
     request_s=0.0,      # no published TTFT to derive it from: not modelled
+    # prefill and generate steps interleave; a prompt is never chunked into a decode step
+    mixed_prefill=False,
     description="JetStream with the MaxText engine (no published TTFT: request_s 0)",
-    sources={"step_s": "JetStream benchmarks (Llama3-8B v5e-8 batch 128: 8249 tok/s)"})
+    sources={"step_s": "JetStream benchmarks (Llama3-8B v5e-8 batch 128: 8249 tok/s)",
+             "mixed_prefill": "JetStream README (interleaved prefill and generate)"})
 
 # sglang-jax: overlap scheduler on by default, ragged paged attention.
 SGLANG_JAX = StackProfile(
@@ -134,10 +180,25 @@ SGLANG_JAX = StackProfile(
     request_s=0.010,
     attn_decode_eff=0.96,   # the same ragged paged attention kernel as vLLM TPU
     overlap=True,
-    description="sglang-jax (overlap scheduler, ragged paged attention)",
+    # scheduler.py get_next_batch_to_run: "Run prefill first if possible"; mixing prefill
+    # into decode batches needs --enable-mixed-chunk (server_args.py: default False)
+    mixed_prefill=False,
+    # schedule_batch.py _compute_global_padding_sizes: pad_to_bucket(max_tokens_per_dp *
+    # dp_size, token_paddings), token paddings 64 ... 8192 (common_utils.py
+    # PRECOMPILE_DEFAULT_TOKEN_PADDINGS = [1 << i for i in range(6, 14)])
+    pad_tokens=64,
+    # layers/moe.py EPMoE: reshard(hidden_states, P(None)) (every token to every chip),
+    # combine jax.lax.psum over "expert"; xprof: the all-gather is 40 % of an EXTEND step at
+    # T = 8192 on DeepSeek-V3 v6e-64 (sglang-jax issue #1318)
+    moe_dispatch="allgather",
+    description="sglang-jax (overlap scheduler, ragged paged attention, prefill-first "
+                "scheduling, padded shapes, EPMoE)",
     sources={"step_s": "sglang-jax cookbook Llama3.1.md (8B v6e-4: TPOT 9.94 ms)",
              "request_s": "sglang-jax cookbook Llama3.1.md (8B v6e-4: TTFT 35.3 ms)",
-             "attn_decode_eff": "arXiv 2604.15464 (RPA: up to 86 % MBU in decode)"})
+             "attn_decode_eff": "arXiv 2604.15464 (RPA: up to 86 % MBU in decode)",
+             "mixed_prefill": "sglang-jax scheduler.py, server_args.py (enable_mixed_chunk)",
+             "pad_tokens": "sglang-jax schedule_batch.py _compute_global_padding_sizes",
+             "moe_dispatch": "sglang-jax layers/moe.py EPMoE; issue #1318 (xprof)"})
 
 PROFILES: dict[str, StackProfile] = {p.name: p for p in (VLLM_TPU, JETSTREAM, SGLANG_JAX, NONE)}
 DEFAULT_STACK = "vllm-tpu"
@@ -200,8 +261,6 @@ def parse_stack(text: "str | StackProfile | None") -> StackProfile:
                if f.default is MISSING and f.default_factory is MISSING} - set(d)
     if missing:
         raise NeuScaleError(f"stack profile {d['name']!r}: missing {', '.join(sorted(missing))}")
-    if not isinstance(d.get("overlap", False), bool):
-        raise NeuScaleError(f"stack profile {d['name']!r}: overlap must be true or false")
     try:
         return StackProfile(**d)
     except TypeError as e:

@@ -206,7 +206,8 @@ def run(cfg: BenchConfig, catalog: Catalog | None = None) -> dict[str, Any]:
     per_engine = max(1, math.ceil(cfg.max_num_seqs / par.pp))
     engines = [Engine(cost, "mixed", max_batch=per_engine,
                       max_batched_tokens=max(cfg.max_batched_tokens, per_engine),
-                      chunked_prefill=cfg.chunked_prefill, start_s=0.0) for _ in range(par.pp)]
+                      chunked_prefill=cfg.chunked_prefill, mixed_prefill=stack.mixed_prefill,
+                      start_s=0.0) for _ in range(par.pp)]
 
     rng = np.random.default_rng(cfg.seed)
     inp, out = _lengths(cfg, rng)

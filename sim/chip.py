@@ -20,7 +20,8 @@ unit that does its work:
 * ICI collectives on the TP/EP sub-torus (ring per dimension, bidirectional with wrap-around,
   per-hop latency, achieved link bandwidth, a launch cost per collective);
 * MoE expert imbalance: the hottest expert receives 7x the mean tokens (§4), and the EP group
-  waits for the chip that hosts it;
+  waits for the chip that hosts it, which reads as many experts' weights as the busiest
+  expert group has routed experts (:func:`dse.parallel.busiest_active_experts`);
 * pipeline stages with their own layer counts, explicit bubbles;
 * the serving stack's host time per step and per sequence and its attention-kernel efficiency
   (:mod:`dse.stacks`).
@@ -38,7 +39,8 @@ from typing import Any
 from dse.catalog import Catalog, ChipSpec
 from dse.errors import NeuScaleError
 from dse.models import ModelArch
-from dse.parallel import (Parallelism, dispatch_tokens, max_weights_bytes, stage_layout,
+from dse.parallel import (Parallelism, busiest_active_experts, dispatch_tokens,
+                          max_weights_bytes, stage_layout,
                           validate_parallelism)
 from dse.stacks import StackProfile, get_stack
 from dse.torus import allgather_cost, allreduce_cost, alltoall_cost, group_dims
@@ -126,6 +128,8 @@ class ChipModel:
         self._ar = allreduce_cost(gd["tp"], chip)
         self._ag = allgather_cost(gd["tp"], chip)
         self._a2a = alltoall_cost(gd["ep"], chip)
+        self._ep_ag = allgather_cost(gd["ep"], chip)     # the "allgather" MoE dispatch's
+        self._ep_ar = allreduce_cost(gd["ep"], chip)
         self.stages = stage_layout(arch, par.pp)
 
     @classmethod
@@ -328,16 +332,25 @@ class ChipModel:
             ops += [self.matmul("shared_gate_up", t, H, 2 * d.shared_inter),
                     self.vector("shared_swiglu", t * d.shared_inter, 6, 3 * t * d.shared_inter * B2),
                     self.matmul("shared_down", t, d.shared_inter, H)]
-        ops.append(self.alltoall("dispatch_a2a", a2a_msg))
+        gather = self.stack.moe_dispatch == "allgather"
+        if gather:
+            # every token of the stage to every chip of the expert group (the message: all of
+            # them), each chip computes its experts' share, an all-reduce sums the outputs
+            ops.append(self._collective("dispatch_allgather", self._ep_ag, n,
+                                        stage_tokens * H * B2))
+        else:
+            ops.append(self.alltoall("dispatch_a2a", a2a_msg))
         assignments = stage_tokens * k
         mean = assignments / E
         p_active = 1.0 - (1.0 - k / E) ** stage_tokens
-        active = max(1.0, d.experts * p_active)
+        # the chip that sets the pace: as many routed experts as the busiest expert group has
+        # (each expert read once), one of them the hottest expert, the rest at the mean load
+        # (at least the token that makes them routed)
+        active = max(1.0, float(busiest_active_experts(d.experts, E, p_active)))
         hot = min(MOE_HOT_FACTOR * mean, stage_tokens) if mean > 0 else 0.0
-        # the hot chip: its hottest expert plus the mean load on the rest of its active experts
         others = max(0.0, active - 1)
         per_other = (mean * d.experts - hot) / max(others, 1.0) if d.experts > 1 else 0.0
-        per_other = max(per_other, 0.0)
+        per_other = max(per_other, 1.0 if others > 0 else 0.0)
         for nm, tok, n in (("hot", hot, 1.0), ("rest", per_other, others)):
             if tok <= 0 or n <= 0:
                 continue
@@ -346,7 +359,8 @@ class ChipModel:
                     self.vector(f"experts_{nm}_swiglu", n * M * d.moe_inter, 6,
                                 3 * n * M * d.moe_inter * B2),
                     self.matmul(f"experts_{nm}_down", M, d.moe_inter, H, groups=n)]
-        ops.append(self.alltoall("combine_a2a", a2a_msg))
+        ops.append(self._collective("combine_allreduce", self._ep_ar, n, stage_tokens * H * B2)
+                   if gather else self.alltoall("combine_a2a", a2a_msg))
         # the experts' TP partial sums ("dp" layout) and the shared expert's; whole experts
         # ("tp" layout) leave only the shared expert's (the routed outputs are added into it)
         if self.par.moe_tp > 1 or d.shared_inter:
@@ -370,10 +384,13 @@ class ChipModel:
     # ---- a step -----------------------------------------------------------------------------
     def stage_ops(self, n_dense: int, n_moe: int, has_embed: bool, has_lm: bool,
                   p_tokens: float, p_ctx: float, n_dec: float, dec_kv: float,
-                  n_logits: float, stage_tokens: float) -> list[Op]:
+                  n_logits: float, stage_tokens: float, p_pad: float | None = None
+                  ) -> list[Op]:
         """Operators of one pipeline stage for one micro-batch, on one chip (per-chip shares:
-        the caller passes per-DP-group quantities)."""
-        t = p_tokens + n_dec
+        the caller passes per-DP-group quantities). ``p_pad``: the prompt tokens the matmuls and
+        the MoE run (the stack's padding, :meth:`dse.stacks.StackProfile.padded_prefill`);
+        attention runs the ``p_tokens`` that are real."""
+        t = (p_tokens if p_pad is None else p_pad) + n_dec
         attn = self.attention_block(t, p_tokens, p_ctx, n_dec, dec_kv)
         ops: list[Op] = []
         if has_embed:
@@ -391,7 +408,8 @@ class ChipModel:
         return [o for o in ops if o.time_s > 0 or o.hbm_bytes > 0]
 
     def parts_local(self, p_loc: float, c_loc: float, nd_loc: float, kv_loc: float,
-                    logits: float, stage_tokens: float) -> dict[str, tuple[float, float]]:
+                    logits: float, stage_tokens: float, p_pad: float | None = None
+                    ) -> dict[str, tuple[float, float]]:
         """(time_s, dynamic energy J of the whole vPod) of one micro-batch through all stages,
         split by what each operator depends on: ``tok`` (tokens in the step), ``prefill_attn``
         (prefill tokens and their context), ``decode_attn`` (decoding sequences and their KV),
@@ -400,7 +418,7 @@ class ChipModel:
         out = {k: [0.0, 0.0] for k in CATEGORIES}
         for n_dense, n_moe, has_embed, has_lm, count in self.stages:
             for o in self.stage_ops(n_dense, n_moe, has_embed, has_lm, p_loc, c_loc, nd_loc,
-                                    kv_loc, logits, stage_tokens):
+                                    kv_loc, logits, stage_tokens, p_pad):
                 acc = out[category(o.name)]
                 acc[0] += count * o.time_s * o.count
                 acc[1] += count * self.par.stage_chips * o.energy_j(self.hw)
@@ -421,10 +439,14 @@ class ChipModel:
         kv_loc = decode_kv * nd_loc / n_decode if n_decode else 0.0
         logits = math.ceil((n_prefill_seqs + n_decode) / ep)
         stage_tokens = prefill_tokens + n_decode
+        p_pad = None
+        if self.stack.pad_tokens and prefill_tokens > 0:   # every rank runs the busiest's, padded
+            p_pad = self.stack.padded_prefill(p_loc, ep)
+            stage_tokens = p_pad * ep + n_decode
         times, all_ops, energy = [], [], 0.0
         for n_dense, n_moe, has_embed, has_lm, count in self.stages:
             ops = self.stage_ops(n_dense, n_moe, has_embed, has_lm, p_loc, c_loc, nd_loc, kv_loc,
-                                 logits, stage_tokens)
+                                 logits, stage_tokens, p_pad)
             ts = sum(o.time_s * o.count for o in ops)
             times += [ts] * count
             energy += count * self.par.stage_chips * sum(o.energy_j(self.hw) for o in ops)

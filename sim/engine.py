@@ -543,14 +543,20 @@ class Engine(EngineBase):
     def __init__(self, cost: StepCost, mode: Mode = "mixed", max_batch: int = 256,
                  max_batched_tokens: int = 8192, block_tokens: int = 16, exact: bool = False,
                  *, start_s: float | None = 0.0, max_run_steps: int = 4096,
-                 max_phase_steps: int | None = None, chunked_prefill: bool = True) -> None:
+                 max_phase_steps: int | None = None, chunked_prefill: bool = True,
+                 mixed_prefill: bool = True) -> None:
         """``start_s``: when the vPod came up (idle energy and chip-seconds count from there;
         ``None``: from the first request's arrival). ``max_run_steps`` (old name
         ``max_phase_steps``) caps the length of a vectorised run of decode steps.
         ``chunked_prefill=False``: the scheduler of vLLM without chunked prefill (and of
         JetStream's interleaved mode) - a prompt is prefilled whole in one step, and a step
         that prefills runs no decodes (prefill first whenever a waiting prompt fits); a
-        prompt longer than ``max_batched_tokens`` is refused at submission."""
+        prompt longer than ``max_batched_tokens`` is refused at submission.
+        ``mixed_prefill=False`` (with chunked prefill): sglang's default scheduler - a step
+        carries prompt chunks or decodes, never both, and prompts go first: whenever a prompt
+        is being prefilled or one waiting can be admitted, the step prefills (chunks of up to
+        ``max_batched_tokens`` in all, running prompts first, then admissions FCFS) and every
+        decoding request waits (:meth:`dse.stacks.StackProfile.mixed_prefill`)."""
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         max_run_steps = max_run_steps_arg(max_run_steps, max_phase_steps)
@@ -561,6 +567,7 @@ class Engine(EngineBase):
         self.exact = exact
         self.max_run_steps = max_run_steps
         self.chunked_prefill = bool(chunked_prefill)
+        self.mixed_prefill = bool(mixed_prefill)
         self._running: list[Request] = []          # admission order
         self._requests: dict[Hashable, Request] = {}
         self._finished: list[Request] = []
@@ -757,6 +764,10 @@ class Engine(EngineBase):
             whole = self._plan_whole_prefill()
             if whole is not None:
                 return whole
+        elif not self.mixed_prefill:
+            first = self._plan_prefill_first()
+            if first is not None:
+                return first
         alive, victims, decode, free = self._plan_decodes()
         tokens_left = self.max_batched_tokens - len(decode)
         prefill: list[tuple[Request, int]] = []
@@ -772,8 +783,8 @@ class Engine(EngineBase):
             for r in self._waiting:
                 if n_seqs >= self.max_batch or tokens_left <= 0:
                     break
-                if r.prefill_left > 0 and not self.chunked_prefill:
-                    break                       # prompts go whole, in a prefill step
+                if r.prefill_left > 0 and not (self.chunked_prefill and self.mixed_prefill):
+                    break                       # prompts go in a prefill step of their own
                 need = self._admit_blocks(r)
                 if need > free:
                     break
@@ -794,6 +805,39 @@ class Engine(EngineBase):
         decode_kv = sum(r.kv_tokens + 1 for r, _ in decode)
         return _StepPlan(victims, admits, decode, prefill, prefill_tokens, prefill_ctx,
                          decode_kv, swap_tokens * self._swap_s_per_token)
+
+    def _plan_prefill_first(self) -> _StepPlan | None:
+        """Unmixed chunked prefill: a step of prompt chunks - the running prompts' next chunks
+        first, then waiting prompts admitted FCFS within the sequence, token and block limits -
+        and no decodes; None when there is nothing to prefill."""
+        free, tokens_left, n_seqs = self.free, self.max_batched_tokens, len(self._running)
+        prefill: list[tuple[Request, int]] = []
+        for r in self._running:
+            if r.prefill_left > 0 and tokens_left > 0:
+                c = min(r.prefill_left, tokens_left)
+                prefill.append((r, c))
+                tokens_left -= c
+        admits: list[tuple[Request, int]] = []
+        swap_tokens = 0
+        for r in self._waiting:
+            if r.prefill_left == 0 or n_seqs >= self.max_batch or tokens_left <= 0:
+                break                           # a swapped-out decode resumes in a decode step
+            need = self._admit_blocks(r)
+            if need > free:
+                break
+            free -= need
+            n_seqs += 1
+            admits.append((r, need))
+            if r.swapped:
+                swap_tokens += r.kv_tokens
+            c = min(r.prefill_left, tokens_left)
+            prefill.append((r, c))
+            tokens_left -= c
+        if not prefill:
+            return None
+        return _StepPlan([], admits, [], prefill, sum(c for _, c in prefill),
+                         float(sum(c * r.kv_tokens + c * (c + 1) / 2 for r, c in prefill)), 0,
+                         swap_tokens * self._swap_s_per_token)
 
     def _plan_whole_prefill(self) -> _StepPlan | None:
         """Without chunked prefill: a step prefilling whole prompts from the head of the queue

@@ -164,6 +164,8 @@ class StepCostTable:
         # the serving stack's software time per step and per scheduled sequence
         self._oh_step, self._oh_seq = cm.stack.step_s, cm.stack.per_seq_s
         self._overlap = cm.stack.overlap
+        # the stack's padding of prompt tokens (what the matmuls and the MoE run), or None
+        self._pad = cm.stack.padded_prefill if cm.stack.pad_tokens else None
         # the measured maximum power bounds every step's energy (dse.catalog.ChipSpec)
         mp = cm.chip.measured_max_power_w
         self._pmax_w = math.inf if mp is None else mp * self.num_chips
@@ -299,6 +301,8 @@ class StepCostTable:
                      key=f"unwritable:{p.parent}")
 
     def _local(self, prefill_tokens, prefill_ctx, n_decode, decode_kv):
+        """Per-rank (DP attention group) quantities of a step: prompt tokens (attention's),
+        context, decoding sequences, their KV, logits."""
         ep = self.model.par.dp
         p = np.asarray(prefill_tokens, dtype=np.float64) / ep
         ctx = np.asarray(prefill_ctx, dtype=np.float64) / ep
@@ -320,7 +324,7 @@ class StepCostTable:
             return self._decode_run(float(n_decode), np.asarray(decode_kv, dtype=np.float64))
         p, ctx, nd, kv, logits = self._local(prefill_tokens, prefill_ctx, n_decode, decode_kv)
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._v
-        t = p + nd
+        t = (self._pad(prefill_tokens, self._ep) if self._pad else p) + nd
         has_p, has_d = p > 0, nd > 0
         per_p = np.where(has_p, ctx / np.maximum(p, 1e-9), 1.0)
         per_d = np.where(has_d, kv / np.maximum(nd, 1e-9), 1.0)
@@ -428,8 +432,9 @@ class StepCostTable:
                 self._prefill_memo.clear()
             key = (p, ctx)
             s, ep = self._s, self._ep
+            p_tok = self._pad(p, ep) if self._pad else p / ep
             p, ctx = p / ep, ctx / ep
-            lat, dyn = _interp1_scalar(s[0], s[3], s[4], p)
+            lat, dyn = _interp1_scalar(s[0], s[3], s[4], p_tok)
             x, y = self._heads.get(1) or self._head(1)
             u, v = _interp2_scalar(s[11], s[2], s[7], s[8], p, ctx / p)
             got = self._prefill_memo[key] = self._with_host(lat + x + u, dyn + y + v, 1.0)
@@ -442,12 +447,13 @@ class StepCostTable:
         """Device time and dynamic energy of a step (no host time, no static power)."""
         gt, gs, gc, tt, et, th, eh, tp, ep_, td, ed, gt2, gs2 = self._s
         ep = self._ep
+        p_tok = self._pad(p, ep) if self._pad else p / ep
         p, ctx = p / ep, ctx / ep
         nd = math.ceil(nd_glob / ep)
         kv = kv * nd / nd_glob if nd_glob > 0 else 0.0
         logits = math.ceil((nd_glob + (p > 0)) / ep)
         lat = dyn = 0.0
-        t = p + nd
+        t = p_tok + nd
         if t > 0:
             x, y = _interp1_scalar(gt, tt, et, t)
             lat += x
@@ -471,8 +477,10 @@ class StepCostTable:
         """The same step on the detailed model (reference for :meth:`fit_error`)."""
         p, ctx, nd, kv, logits = (float(x) for x in self._local(prefill_tokens, prefill_ctx,
                                                                 n_decode, decode_kv))
-        parts = self.model.parts_local(p, ctx, nd, kv, logits,
-                                       (p + nd) * self.model.par.dp)
+        ep = self.model.par.dp
+        p_tok = self._pad(float(prefill_tokens), ep) if self._pad else p
+        parts = self.model.parts_local(p, ctx, nd, kv, logits, (p_tok + nd) * ep,
+                                       p_tok if self._pad else None)
         return self._with_host(sum(v[0] for v in parts.values()),
                                sum(v[1] for v in parts.values()),
                                float(n_decode) + (p > 0))
