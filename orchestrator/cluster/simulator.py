@@ -265,14 +265,41 @@ class ClusterSim:
         epoch_s = self.cfg.policy.epoch_s
         first = (req.arr < epoch_s) & req.servable
         nb = len(self.db.edges)
-        for ph, b, tok in (("prefill", req.pre_bucket, req.inp),
-                           ("decode", req.tot_bucket, req.out)):
-            s = np.bincount(b[first], weights=tok[first], minlength=nb) / epoch_s
+        rates = {ph: np.bincount(b[first], weights=tok[first], minlength=nb) / epoch_s
+                 for ph, b, tok in (("prefill", req.pre_bucket, req.inp),
+                                    ("decode", req.tot_bucket, req.out))}
+        if self.cfg.observe_routed and "decode" in self.policies:
+            rates["decode"] = self._routed_decode_rates(req, first, rates)
+        for ph, s in rates.items():
             self.window.prime(ph, s, self._epoch_every)
         self._epoch(0.0, warm=True)
         for v in self.fleet.vpods.values():
             v.created_s -= v.ready_s     # already running at t = 0
             v.ready_s = 0.0
+
+    def _routed_decode_rates(self, req: _Requests, first: np.ndarray,
+                             rates: dict[str, np.ndarray]) -> np.ndarray:
+        """The first epoch's decode load as the running service's window would hold it: at
+        the lengths its groups are routed (:meth:`_observe_decode`), not the true ones. A
+        mispredicted answer goes to any group whose length is not shorter, so a group serving
+        the longest lengths is sent far more than its true share (DeepSeek-V3 at 16x the
+        Azure load: a 10 K-token group primed at its true 34 tok/s was sent ~1,100). The
+        decode plan on the true lengths gives the routing; the first epoch's requests are
+        routed through it, and nothing of this dry plan is kept."""
+        nb = len(self.db.edges)
+        dry = ObservationWindow(nb, self.cfg.policy)
+        dry.prime("decode", rates["decode"], self._epoch_every)
+        obs = dry.observe("decode", 0.0, [], self.cfg.quotas, {})
+        table = self.policies["decode"].plan(obs, PolicyState()).routing
+        self._routing["decode"] = table
+        self._cands = sorted((table.best_len.get(g, 0), g) for g in set(table.groups))
+        self._cur_d = [0.0] * nb
+        for r in np.flatnonzero(first & (req.out > 1)):
+            y = int(req.out_l[r])
+            self._observe_decode(int(req.tb[r]), y, self._decode_segments(int(req.inp_l[r]), y))
+        out = np.asarray(self._cur_d) / self.cfg.policy.epoch_s
+        self._routing["decode"], self._cands, self._cur_d = None, [], [0.0] * nb
+        return out
 
     def _busy(self) -> bool:
         """Engines still working, or requests queued at the router for a group whose vPods are

@@ -447,3 +447,72 @@ def test_a_group_that_takes_over_buckets_grows_from_the_capacity_that_served_the
     assert "taken over" in why
     pol._inherited = {}                                   # without it: the paper's x2 cap
     assert pol._size(g, np.full(N, need_rate), T, GroupState(), 1, 0.0)[0] == 2
+
+
+def test_a_queue_two_epochs_running_frees_the_choice(db, pricer):
+    """A burst's first epoch scales out what runs; if the queue is still beyond the slots the
+    next epoch, it was no burst, and the cheapest allocation at the load may replace it
+    (DeepSeek-V3 at 16x the Azure load: a b4 group kept by the emergency rule grew x4 per
+    epoch to 64 vPods while a grouping on a running b640 vPod was cheapest)."""
+    i, low = 4, 1000.0
+    pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+    plan = pol.plan(Observation(0.0, {i: flat(low)}))
+    (g0,) = chosen(plan)
+    state, inv = plan.state, inventory(plan)
+    high = next(r for r in (1e6, 3e6, 1e7) if set(chosen(LoadAwarePolicy(
+        db, "decode", pricer=pricer).plan(Observation(0.0, {i: flat(r)})))) != {g0})
+    queue = {g0: 100 * sum(v.max_batch for v in inv)}
+    # the burst's epoch: kept, scaled out past the doubling limit
+    plan = pol.plan(Observation(300.0, {i: flat(high)}, inv, queue), state)
+    assert set(chosen(plan)) == {g0}
+    assert "emergency scales out what runs first" in chosen(plan)[g0].reason
+    assert plan.state.groups[g0].queued
+    state, inv = plan.state, inv + inventory(plan, "starting")
+    queue = {g0: 100 * sum(v.max_batch for v in inv)}
+    # still queued an epoch later: the cheapest allocation at the load replaces it
+    plan = pol.plan(Observation(600.0, {i: flat(high)}, inv, queue), state)
+    assert set(chosen(plan)) != {g0}
+    assert "re-chosen" in next(iter(chosen(plan).values())).reason
+
+
+def test_the_warm_start_sees_the_decode_load_where_it_is_routed(db):
+    """The first plan stands for a running service whose window holds each request's decode
+    load where it was routed: a mispredicted answer is counted at its group's length. With
+    every prediction right that is its true bucket; with every one wrong a group serving long
+    lengths is sent part of the short answers too (DeepSeek-V3 at 16x the Azure load: its
+    10 K-token group, primed at its true 34 tok/s, was sent ~1,100)."""
+    from types import SimpleNamespace
+
+    from orchestrator.cluster.simulator import _Requests
+    from router.routing import RoutingTable
+    rng = np.random.default_rng(4)
+    n = 800
+    arr = np.sort(rng.uniform(0, 300, n))
+    # totals under 2 x the short group's 640 tokens: no answer outgrows it (no migration)
+    inp, out = rng.integers(100, 900, n), rng.integers(2, 300, n)
+    long_bucket = 30
+    two = RoutingTable.build({4: "short", long_bucket: "long"}, db.edges)   # a 2-group plan
+    got = {}
+    for acc in (1.0, 0.0):
+        cfg = ClusterConfig(seed=2, accuracy=acc)
+        sim = ClusterSim(ARCH, db, make_policies("neuscale", db, cfg.policy, inp, out), cfg)
+        sim.policies = {"decode": SimpleNamespace(
+            plan=lambda obs, state: SimpleNamespace(routing=two))}
+        req = sim.req = _Requests(db, arr, inp, out)
+        sim._start(req)
+        first = (req.arr < cfg.policy.epoch_s) & req.servable
+        true = np.bincount(req.tot_bucket[first], weights=req.out[first],
+                           minlength=len(db.edges)) / cfg.policy.epoch_s
+        got[acc] = (true, sim._routed_decode_rates(req, first, {"decode": true}))
+        assert sim._routing["decode"] is None and sim._cands == []     # nothing kept
+    for true, routed in got.values():              # the same tokens in both views ...
+        assert routed.sum() == pytest.approx(true.sum(), rel=1e-9)
+    assert np.allclose(got[1.0][1], got[1.0][0])  # ... where they belong when all is right
+    # all wrong: a random group not shorter than the prompt - the long one for prompts past
+    # the short group's 640 tokens, else either
+    true, routed = got[0.0]
+    assert true[long_bucket] == 0
+    f = (arr < 300.0) & (out > 1)
+    share = np.where(inp[f] >= db.edges[4], 1.0, 0.5)
+    expect = float((out[f] * share).sum()) / 300.0
+    assert routed[long_bucket] == pytest.approx(expect, rel=0.1)
