@@ -44,10 +44,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from backends.base import BackendError
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()          # here, where a closed pipe is handled (not at exit)
+        return rc
     except (NeuScaleError, BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`orchestrator sim step --ops | head`): not an error of ours;
+        # point stdout at /dev/null so the interpreter's final flush does not raise again
+        import os
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0

@@ -64,3 +64,16 @@ def test_csv_what_ifs_with_an_error_row(tmp_path):
     bad.write_text("model,chip\nllama3-8b,v6e\n")
     p = run("--from-csv", str(bad), "--out", str(out))
     assert p.returncode == 2 and "missing column" in p.stderr
+
+
+def test_a_reader_that_stops_early_is_no_error():
+    """`orchestrator sim step --ops | head -1`: the pipe is closed before the table is written;
+    the command ends quietly (no traceback, no "Exception ignored"), status 0."""
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "sim", "step", "--model",
+                          "deepseek-v3", "--chip", "v6e", "--topology", "8x8", "--tp", "8",
+                          "--ep", "8", "--phase", "decode", "--batch", "16", "--seq-len",
+                          "700", "--ops"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()                     # the reader is gone before the first line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert err == ""
