@@ -768,7 +768,15 @@ class Engine(EngineBase):
             first = self._plan_prefill_first()
             if first is not None:
                 return first
-        alive, victims, decode, free = self._plan_decodes()
+        return self._fill(*self._plan_decodes())
+
+    def _fill(self, alive: list[Request], victims: list[Request],
+              decode: list[tuple[Request, int]], free: int, prompts_only: bool = False
+              ) -> _StepPlan:
+        """The rest of a step after its decodes: the running prompts' next chunks, then
+        waiting requests admitted FCFS within the sequence, token and block limits (none after
+        a preemption). ``prompts_only`` (unmixed prefill): admission stops at a request that
+        would decode - a swapped-out decode resumes in a decode step."""
         tokens_left = self.max_batched_tokens - len(decode)
         prefill: list[tuple[Request, int]] = []
         for r in alive:
@@ -783,7 +791,10 @@ class Engine(EngineBase):
             for r in self._waiting:
                 if n_seqs >= self.max_batch or tokens_left <= 0:
                     break
-                if r.prefill_left > 0 and not (self.chunked_prefill and self.mixed_prefill):
+                if prompts_only and r.prefill_left == 0:
+                    break
+                if r.prefill_left > 0 and not prompts_only \
+                        and not (self.chunked_prefill and self.mixed_prefill):
                     break                       # prompts go in a prefill step of their own
                 need = self._admit_blocks(r)
                 if need > free:
@@ -807,37 +818,10 @@ class Engine(EngineBase):
                          decode_kv, swap_tokens * self._swap_s_per_token)
 
     def _plan_prefill_first(self) -> _StepPlan | None:
-        """Unmixed chunked prefill: a step of prompt chunks - the running prompts' next chunks
-        first, then waiting prompts admitted FCFS within the sequence, token and block limits -
+        """Unmixed chunked prefill: a step of prompt chunks (:meth:`_fill` with no decodes)
         and no decodes; None when there is nothing to prefill."""
-        free, tokens_left, n_seqs = self.free, self.max_batched_tokens, len(self._running)
-        prefill: list[tuple[Request, int]] = []
-        for r in self._running:
-            if r.prefill_left > 0 and tokens_left > 0:
-                c = min(r.prefill_left, tokens_left)
-                prefill.append((r, c))
-                tokens_left -= c
-        admits: list[tuple[Request, int]] = []
-        swap_tokens = 0
-        for r in self._waiting:
-            if r.prefill_left == 0 or n_seqs >= self.max_batch or tokens_left <= 0:
-                break                           # a swapped-out decode resumes in a decode step
-            need = self._admit_blocks(r)
-            if need > free:
-                break
-            free -= need
-            n_seqs += 1
-            admits.append((r, need))
-            if r.swapped:
-                swap_tokens += r.kv_tokens
-            c = min(r.prefill_left, tokens_left)
-            prefill.append((r, c))
-            tokens_left -= c
-        if not prefill:
-            return None
-        return _StepPlan([], admits, [], prefill, sum(c for _, c in prefill),
-                         float(sum(c * r.kv_tokens + c * (c + 1) / 2 for r, c in prefill)), 0,
-                         swap_tokens * self._swap_s_per_token)
+        plan = self._fill(self._running, [], [], self.free, prompts_only=True)
+        return plan if plan.prefill else None
 
     def _plan_whole_prefill(self) -> _StepPlan | None:
         """Without chunked prefill: a step prefilling whole prompts from the head of the queue
