@@ -355,10 +355,9 @@ class EngineServer:
 
     def _submit(self, phase: str, r: _Req, arrival_s: float, prompt: int, output: int):
         """Submit to the phase's engines; returns (engine, record) (the engine that
-        :meth:`VPodEngines.submit` picks: the one with the fewest unfinished requests)."""
+        :meth:`VPodEngines.submit` picks: the one with the least unfinished work)."""
         ve = self._engines_for(phase)
-        loads = ve.loads
-        k = 0 if len(loads) == 1 else loads.index(min(loads))
+        k = ve.choose(prompt, output)
         eid = next(self._ids)
         rec = ve.submit(eid, arrival_s, prompt, output)
         self._owner[eid] = r

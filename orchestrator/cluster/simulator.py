@@ -335,10 +335,20 @@ class ClusterSim:
         self._unrouted = []
 
     def _advance_engines(self, t_next: float) -> None:
+        """Prefill first (its hand-offs feed decode), then decode. The slice's hand-offs reach
+        the decode vPods in the order they happen, as a live router sees them: the engines'
+        loads are only updated at a slice's end, and hand-offs given vPod after vPod (each
+        prefill vPod's spanning the whole slice) would pile onto the same decode virtual
+        engines (DeepSeek-V3 on v5e-128 PP16 at a quarter of its slots: 18 % of answers
+        waited behind another one; 0.6 % in time order)."""
         active = self.fleet.active
+        handoffs: list[tuple] = []
         for v in active:
             if v.engine is not None and v.phase == "prefill":
-                self._prefill_done(v, v.engine.advance_to(t_next))
+                self._prefill_done(v, v.engine.advance_to(t_next), handoffs)
+        handoffs.sort(key=lambda h: h[2])
+        for g, r, at_s, inp, out in handoffs:
+            self._submit("decode", g, r, at_s, inp, out)
         for v in active:
             if v.engine is not None and v.phase == "decode":
                 self._decode_done(v, v.engine.advance_to(t_next))
@@ -356,8 +366,9 @@ class ClusterSim:
             w.note_queue(ph, g, len(lst))
 
     # ---- requests -----------------------------------------------------------------------------
-    def _prefill_done(self, v: SimVPod, done: list) -> None:
-        """Prefilled requests: TTFT, then (output > 1) their KV goes to a decode vPod."""
+    def _prefill_done(self, v: SimVPod, done: list, handoffs: list) -> None:
+        """Prefilled requests: TTFT, then (output > 1) their KV goes to a decode vPod: the
+        hand-off ``(group, request, arrival, prompt, output)`` is appended to ``handoffs``."""
         req = self.req
         ttft, tpot, inp_l, out_l, arr_l = req.ttft, req.tpot, req.inp_l, req.out_l, req.arr_l
         e_pre = req.energy_j["prefill"]
@@ -383,7 +394,7 @@ class ClusterSim:
             g, m_end = segs[0]
             if len(segs) > 1:
                 self._segments[r] = segs
-            self._submit("decode", g, r, at, x, m_end)
+            handoffs.append((g, r, at, x, m_end))
 
     def _observe_decode(self, true_bucket: int, out: int, segs: list) -> None:
         """A decoding request's tokens into this slice's load: each segment's tokens at the

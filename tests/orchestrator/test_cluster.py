@@ -284,3 +284,42 @@ def test_the_policy_sees_how_long_each_group_takes_to_drain(db, monkeypatch):
     for ph, d, groups in later:
         for g, x in d.items():
             assert 0 < x and (ph == "prefill" or x <= longest + 1e-9), (ph, g, x)
+
+
+def test_prefill_handoffs_reach_decode_in_time_order(db, monkeypatch):
+    """The engines learn of finished requests only at a slice's end, so the order in which a
+    slice's hand-offs are given to the decode vPods is the order their engines are chosen in
+    (:class:`sim.vpod.VPodEngines`): it must be the order the hand-offs happen, however many
+    prefill vPods they come from."""
+    from sim.vpod import VPodEngines
+    seen: dict[int, list] = {}
+    sources: list[set] = []
+    submit, prefill_done = VPodEngines.submit, simulator.ClusterSim._prefill_done
+
+    def spy_submit(self, req_id, arrival_s, prompt, output):
+        if not self._prefill:
+            seen.setdefault(id(self), []).append(arrival_s)
+        return submit(self, req_id, arrival_s, prompt, output)
+
+    def spy_advance(self, t_s, _adv=VPodEngines.advance_to):
+        if not self._prefill and seen.get(id(self)):
+            got = seen.pop(id(self))
+            assert got == sorted(got)
+        return _adv(self, t_s)
+
+    def spy_done(self, v, done, handoffs):
+        n = len(handoffs)
+        prefill_done(self, v, done, handoffs)
+        if len(handoffs) > n:
+            sources[-1].add(v.id)
+
+    def spy_advance_engines(self, t_next, _adv=simulator.ClusterSim._advance_engines):
+        sources.append(set())
+        return _adv(self, t_next)
+
+    monkeypatch.setattr(VPodEngines, "submit", spy_submit)
+    monkeypatch.setattr(VPodEngines, "advance_to", spy_advance)
+    monkeypatch.setattr(simulator.ClusterSim, "_prefill_done", spy_done)
+    monkeypatch.setattr(simulator.ClusterSim, "_advance_engines", spy_advance_engines)
+    run(db, "base", tr=trace(n=6000, span=600.0, lo=2000, hi=8000))
+    assert max(len(s) for s in sources) >= 2        # slices fed by several prefill vPods
