@@ -67,6 +67,11 @@ class EngineSettings:
     ready_timeout_s: float = 1800.0      # install + weights + start + compile, per vPod
     ray_port: int = 6379
     dtype: str | None = None             # --dtype (None: the model's)
+    # --max-num-batched-tokens: the step's token budget the simulated engines and the DB's
+    # step-cost tables assume (orchestrator.cluster.ClusterConfig.max_batched_tokens); left to
+    # vLLM, it picks its own per platform and usage context, and the engines would not serve
+    # what the policy priced
+    max_num_batched_tokens: int = 8192
 
     def problems(self) -> list[str]:
         p = []
@@ -78,6 +83,9 @@ class EngineSettings:
             p.append(f"engine.ray_port must be 1-65535 (got {self.ray_port})")
         if not self.ready_timeout_s > 0:
             p.append("engine.ready_timeout_s must be > 0")
+        if not self.max_num_batched_tokens >= 1:
+            p.append("engine.max_num_batched_tokens must be >= 1 (got "
+                     f"{self.max_num_batched_tokens})")
         for name in ("api_key_env", "hf_token_env"):
             v = getattr(self, name)
             if v is not None and not _NAME.match(v):
@@ -114,7 +122,8 @@ class EngineSettings:
                 vals[name] = tuple(str(x) for x in v)
             elif v is not None:
                 raise ConfigError(f"engine.{name} must be a list of strings or one string")
-        for name, kind in (("port", int), ("ray_port", int), ("ready_timeout_s", (int, float))):
+        for name, kind in (("port", int), ("ray_port", int), ("ready_timeout_s", (int, float)),
+                           ("max_num_batched_tokens", int)):
             v = vals.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, kind)):
                 raise ConfigError(f"engine.{name} must be a number (got {v!r})")
@@ -177,6 +186,7 @@ def vllm_argv(spec: VPodSpec, settings: EngineSettings, *, multi_host: bool = Fa
              "--tensor-parallel-size", str(tp),
              "--pipeline-parallel-size", str(spec.pp),
              "--max-num-seqs", str(per_rank),
+             "--max-num-batched-tokens", str(max(settings.max_num_batched_tokens, per_rank)),
              "--max-model-len", str(spec.max_model_len)]
     if tpattn:
         argv += ["--enable-expert-parallel"]

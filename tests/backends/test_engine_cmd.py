@@ -24,8 +24,17 @@ def test_vllm_argv_carries_the_allocation():
     assert a[:3] == ["vllm", "serve", "meta-llama/Meta-Llama-3-70B"]
     j = " ".join(a)
     for part in ("--tensor-parallel-size 4", "--pipeline-parallel-size 1", "--max-num-seqs 96",
-                 "--max-model-len 8192", "--served-model-name llama3-70b", "--port 8000"):
+                 "--max-model-len 8192", "--served-model-name llama3-70b", "--port 8000",
+                 "--max-num-batched-tokens 8192"):    # the budget the simulated engines run
         assert part in j
+    small = EngineSettings.from_mapping({"model": "m", "max-num-batched-tokens": 2048})
+    assert "--max-num-batched-tokens 2048" in " ".join(vllm_argv(spec(), small))
+    # never below the sequences a step may hold (vLLM refuses that)
+    tiny = EngineSettings.from_mapping({"model": "m", "max_num_batched_tokens": 16})
+    assert "--max-num-batched-tokens 96" in " ".join(vllm_argv(spec(), tiny))
+    for bad in (0, "many", 1.5):
+        with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+            EngineSettings.from_mapping({"model": "m", "max_num_batched_tokens": bad})
     assert "--enable-expert-parallel" not in a
     # experts: data-parallel attention over ep, experts over all chips; batch per DP rank
     e = vllm_argv(spec(num_chips=16, topology="2x2x4", tp=4, ep=4, max_batch=250), s)
@@ -104,3 +113,20 @@ def test_cloud_errors_become_decisions():
     e = cloud_error(gx.PermissionDenied("x"), "create", None)
     assert isinstance(e, ConfigError) and "roles/tpu.admin" in str(e)
     assert isinstance(cloud_error(gx.InvalidArgument("x"), "create", None), ConfigError)
+
+
+def test_the_shipped_gcp_config_parses_and_launches_the_simulated_budget():
+    """deploy/gcp/cluster.yaml is what a user starts from: it parses, and its engines run the
+    step token budget the cluster simulator (and so the policy's pricing) assumes."""
+    from pathlib import Path
+
+    import yaml
+
+    from backends.config import parse_sections
+    from dse.catalog import default_catalog
+    from orchestrator.cluster import ClusterConfig
+    path = Path(__file__).resolve().parents[2] / "deploy" / "gcp" / "cluster.yaml"
+    s = parse_sections("tpu", yaml.safe_load(path.read_text()), default_catalog(), "m",
+                       check_files=False)
+    assert s.engine.max_num_batched_tokens == ClusterConfig().max_batched_tokens
+    assert EngineSettings().max_num_batched_tokens == ClusterConfig().max_batched_tokens
