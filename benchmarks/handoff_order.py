@@ -1,0 +1,107 @@
+"""What the order of a slice's prefill hand-offs and the virtual-engine choice of a PP vPod do to
+a row (the simulator fix of commit 835d58d), measured against the simulator as it was.
+
+The cluster simulator advances its engines in 10-s slices, so an engine learns of finished
+requests only at a slice's end. ``as-shipped``: a slice's hand-offs reach decode sorted by
+arrival and a PP vPod's virtual engines take a request by the unfinished work they hold.
+``as-before`` (patched in for this run only): hand-offs given prefill vPod after prefill vPod,
+virtual engines chosen by their count of unfinished requests. Prints, per policy and variant,
+the row's efficiency and SLO rate (the SLO rate is where the artefact shows: answers that wait
+for a virtual engine another answer holds).
+
+    python benchmarks/handoff_order.py                                   # DeepSeek-V3, 6 h
+    python benchmarks/handoff_order.py --row llama3-70b:azure-code:energy:prefill --hours 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dse import load_model  # noqa: E402
+from dse.errors import NeuScaleError  # noqa: E402
+from orchestrator.cluster import ClusterConfig, ClusterSim  # noqa: E402
+from orchestrator.cluster import simulator  # noqa: E402
+from orchestrator.registry import make_policies  # noqa: E402
+from sim import vpod  # noqa: E402
+from sim.traces import load_trace  # noqa: E402
+from sim.verified import verified_db  # noqa: E402
+
+
+def _advance_unsorted(self, t_next: float) -> None:
+    """The simulator's slice before the fix: hand-offs submitted as each prefill vPod's
+    finished requests are read."""
+    active = self.fleet.active
+    for v in active:
+        if v.engine is not None and v.phase == "prefill":
+            handoffs: list = []
+            self._prefill_done(v, v.engine.advance_to(t_next), handoffs)
+            for g, r, at_s, inp, out in handoffs:
+                self._submit("decode", g, r, at_s, inp, out)
+    for v in active:
+        if v.engine is not None and v.phase == "decode":
+            self._decode_done(v, v.engine.advance_to(t_next))
+
+
+def _choose_by_count(self, prompt: int, output: int) -> int:
+    loads = self.loads
+    return loads.index(min(loads))
+
+
+def run(row: str, start: str, hours: float, before: bool, policy: str):
+    model, trace, metric, phase = row.split(":")
+    arch = load_model(model)
+    db = verified_db(arch, progress=False, metric=metric)
+    tr = load_trace(trace, start=start, hours=hours)
+    arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
+                     np.asarray(tr.output_tokens))
+    saved = (simulator.ClusterSim._advance_engines, vpod.VPodEngines.choose)
+    if before:
+        simulator.ClusterSim._advance_engines = _advance_unsorted
+        vpod.VPodEngines.choose = _choose_by_count
+    try:
+        cfg = ClusterConfig()
+        res = ClusterSim(arch, db, make_policies(policy, db, cfg.policy, inp, out), cfg).run(
+            arr, inp, out)
+    finally:
+        simulator.ClusterSim._advance_engines, vpod.VPodEngines.choose = saved
+    rep = res.reports[phase].to_json()
+    key = "tokens_per_j" if metric == "energy" else "tokens_per_usd"
+    return rep[key], rep["slo_rate"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--row", default="deepseek-v3:azure-code:cost:decode",
+                    help="model:trace:metric:phase")
+    ap.add_argument("--policies", default="neuscale,base")
+    ap.add_argument("--start", default="00:00")
+    ap.add_argument("--hours", type=float, default=6.0)
+    args = ap.parse_args()
+    parts = args.row.split(":")
+    if len(parts) != 4 or parts[2] not in ("energy", "cost") \
+            or parts[3] not in ("prefill", "decode"):
+        ap.error(f"--row: {args.row!r} is not model:trace:{{energy|cost}}:{{prefill|decode}}")
+    if not args.hours > 0:
+        ap.error("--hours must be > 0")
+    pols = [p for p in args.policies.split(",") if p]
+    print(f"| {args.row} ({args.hours:g} h from {args.start}) | as-before: efficiency | SLO | "
+          "as-shipped: efficiency | SLO | shipped / before |")
+    print("|---|---|---|---|---|---|")
+    for pol in pols:
+        try:
+            e0, s0 = run(args.row, args.start, args.hours, True, pol)
+            e1, s1 = run(args.row, args.start, args.hours, False, pol)
+        except NeuScaleError as e:
+            sys.exit(f"error: {e}")
+        print(f"| {pol} | {e0:.4g} | {s0:.1%} | {e1:.4g} | {s1:.1%} | {e1 / e0:.2f}x |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
