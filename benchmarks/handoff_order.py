@@ -19,18 +19,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dse import load_model  # noqa: E402
 from dse.errors import NeuScaleError  # noqa: E402
 from orchestrator.cluster import ClusterConfig, ClusterSim  # noqa: E402
 from orchestrator.cluster import simulator  # noqa: E402
 from orchestrator.registry import make_policies  # noqa: E402
+from rows import check_rows, load_row  # noqa: E402
 from sim import vpod  # noqa: E402
-from sim.traces import load_trace  # noqa: E402
-from sim.verified import verified_db  # noqa: E402
 
 
 def _advance_unsorted(self, t_next: float) -> None:
@@ -54,12 +50,9 @@ def _choose_by_count(self, prompt: int, output: int) -> int:
 
 
 def run(row: str, start: str, hours: float, before: bool, policy: str):
-    model, trace, metric, phase = row.split(":")
-    arch = load_model(model)
-    db = verified_db(arch, progress=False, metric=metric)
-    tr = load_trace(trace, start=start, hours=hours)
-    arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
-                     np.asarray(tr.output_tokens))
+    r = load_row(row, start, hours)
+    arch, db = r.arch, r.db
+    arr, inp, out = r.arrival_s, r.input_tokens, r.output_tokens
     saved = (simulator.ClusterSim._advance_engines, vpod.VPodEngines.choose)
     if before:
         simulator.ClusterSim._advance_engines = _advance_unsorted
@@ -70,9 +63,8 @@ def run(row: str, start: str, hours: float, before: bool, policy: str):
             arr, inp, out)
     finally:
         simulator.ClusterSim._advance_engines, vpod.VPodEngines.choose = saved
-    rep = res.reports[phase].to_json()
-    key = "tokens_per_j" if metric == "energy" else "tokens_per_usd"
-    return rep[key], rep["slo_rate"]
+    rep = res.reports[r.phase].to_json()
+    return rep[r.key], rep["slo_rate"]
 
 
 def main() -> None:
@@ -83,10 +75,7 @@ def main() -> None:
     ap.add_argument("--start", default="00:00")
     ap.add_argument("--hours", type=float, default=6.0)
     args = ap.parse_args()
-    parts = args.row.split(":")
-    if len(parts) != 4 or parts[2] not in ("energy", "cost") \
-            or parts[3] not in ("prefill", "decode"):
-        ap.error(f"--row: {args.row!r} is not model:trace:{{energy|cost}}:{{prefill|decode}}")
+    check_rows(ap, [args.row], "--row")
     if not args.hours > 0:
         ap.error("--hours must be > 0")
     pols = [p for p in args.policies.split(",") if p]

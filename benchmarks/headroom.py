@@ -29,14 +29,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dse import load_model  # noqa: E402
 from dse.errors import NeuScaleError  # noqa: E402
 from orchestrator import loadaware, pricing  # noqa: E402
 from orchestrator.cluster import ClusterConfig, ClusterSim  # noqa: E402
 from orchestrator.cluster.accounting import ideal_at_load_report  # noqa: E402
 from orchestrator.registry import make_policies  # noqa: E402
-from sim.traces import load_trace  # noqa: E402
-from sim.verified import verified_db  # noqa: E402
+from rows import check_rows, load_row  # noqa: E402
 
 ROWS = ("deepseek-v3:azure-code:energy:decode", "llama3-70b:openthoughts:energy:decode",
         "llama3-8b:lveval:cost:decode", "llama3-70b:lveval:energy:prefill")
@@ -64,14 +62,10 @@ def _restore(saved) -> None:
 
 def measure(row: str, start: str, hours: float) -> list[tuple[float, float]]:
     """(efficiency / Ideal-at-load, SLO rate) of the row as shipped, then without headroom."""
-    model, trace, metric, phase = row.split(":")
-    arch = load_model(model)
-    db = verified_db(arch, progress=False, metric=metric)
-    tr = load_trace(trace, start=start, hours=hours)
-    arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
-                     np.asarray(tr.output_tokens))
+    r = load_row(row, start, hours)
+    arch, db, phase, key = r.arch, r.db, r.phase, r.key
+    arr, inp, out = r.arrival_s, r.input_tokens, r.output_tokens
     cfg = ClusterConfig()
-    key = "tokens_per_j" if metric == "energy" else "tokens_per_usd"
     ideal = None
     got = []
     for oracle_sizing in (False, True):
@@ -97,11 +91,7 @@ def main() -> None:
     ap.add_argument("--hours", type=float, default=2.0)
     args = ap.parse_args()
     rows = args.rows.split(",")
-    for row in rows:
-        parts = row.split(":")
-        if len(parts) != 4 or parts[2] not in ("energy", "cost") \
-                or parts[3] not in ("prefill", "decode"):
-            ap.error(f"--rows: {row!r} is not model:trace:{{energy|cost}}:{{prefill|decode}}")
+    check_rows(ap, rows)
     if not args.hours > 0:
         ap.error("--hours must be > 0")
     print(f"| row ({args.hours:g} h from {args.start}) | as-is: of Ideal-at-load | SLO | "

@@ -22,12 +22,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dse import load_model  # noqa: E402
 from dse.errors import NeuScaleError  # noqa: E402
 from orchestrator.cluster import ClusterConfig, ClusterSim  # noqa: E402
 from orchestrator.registry import make_policies  # noqa: E402
-from sim.traces import load_trace  # noqa: E402
-from sim.verified import verified_db  # noqa: E402
+from rows import check_rows, load_row  # noqa: E402
 
 ROWS = ("llama3-70b:azure-code:cost:prefill", "deepseek-v3:azure-code:cost:decode",
         "llama3-8b:openthoughts:energy:decode")
@@ -36,13 +34,9 @@ POLICIES = ("neuscale", "base")
 
 def measure(row: str, start: str, hours: float, seeds: list[int]) -> dict[str, list]:
     """Per policy, (efficiency, SLO rate) of the row for each seed."""
-    model, trace, metric, phase = row.split(":")
-    arch = load_model(model)
-    db = verified_db(arch, progress=False, metric=metric)
-    tr = load_trace(trace, start=start, hours=hours)
-    arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
-                     np.asarray(tr.output_tokens))
-    key = "tokens_per_j" if metric == "energy" else "tokens_per_usd"
+    r = load_row(row, start, hours)
+    arch, db, phase, key = r.arch, r.db, r.phase, r.key
+    arr, inp, out = r.arrival_s, r.input_tokens, r.output_tokens
     got: dict[str, list] = {p: [] for p in POLICIES}
     for seed in seeds:
         cfg = ClusterConfig(seed=seed)
@@ -67,11 +61,7 @@ def main() -> None:
     ap.add_argument("--hours", type=float, default=2.0)
     args = ap.parse_args()
     rows = args.rows.split(",")
-    for row in rows:
-        parts = row.split(":")
-        if len(parts) != 4 or parts[2] not in ("energy", "cost") \
-                or parts[3] not in ("prefill", "decode"):
-            ap.error(f"--rows: {row!r} is not model:trace:{{energy|cost}}:{{prefill|decode}}")
+    check_rows(ap, rows)
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
