@@ -75,9 +75,7 @@ def main() -> None:
     ap.add_argument("--start", default="00:00")
     ap.add_argument("--hours", type=float, default=6.0)
     args = ap.parse_args()
-    check_rows(ap, [args.row], "--row")
-    if not args.hours > 0:
-        ap.error("--hours must be > 0")
+    check_rows(ap, [args.row], args.hours, "--row")
     pols = [p for p in args.policies.split(",") if p]
     print(f"| {args.row} ({args.hours:g} h from {args.start}) | as-before: efficiency | SLO | "
           "as-shipped: efficiency | SLO | shipped / before |")

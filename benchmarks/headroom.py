@@ -91,9 +91,7 @@ def main() -> None:
     ap.add_argument("--hours", type=float, default=2.0)
     args = ap.parse_args()
     rows = args.rows.split(",")
-    check_rows(ap, rows)
-    if not args.hours > 0:
-        ap.error("--hours must be > 0")
+    check_rows(ap, rows, args.hours)
     print(f"| row ({args.hours:g} h from {args.start}) | as-is: of Ideal-at-load | SLO | "
           "no headroom: of Ideal-at-load | SLO |")
     print("|---|---|---|---|---|")

@@ -18,8 +18,12 @@ from sim.traces import load_trace  # noqa: E402
 from sim.verified import verified_db  # noqa: E402
 
 
-def check_rows(ap: argparse.ArgumentParser, rows: list[str], flag: str = "--rows") -> None:
-    """One argparse error for a row that is not ``model:trace:{energy|cost}:{prefill|decode}``."""
+def check_rows(ap: argparse.ArgumentParser, rows: list[str], hours: float,
+               flag: str = "--rows") -> None:
+    """One argparse error for a row that is not ``model:trace:{energy|cost}:{prefill|decode}``
+    or a window (``--hours``) that is not positive."""
+    if not hours > 0:
+        ap.error("--hours must be > 0")
     for row in rows:
         parts = row.split(":")
         if len(parts) != 4 or parts[2] not in ("energy", "cost") \
