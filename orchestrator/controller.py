@@ -502,7 +502,8 @@ class Controller:
         for ph in PHASES:
             planned = self.planned[ph]
             self.routing[ph] = None if planned is None else make_before_break(
-                planned, self.routing[ph], lambda g, ph=ph: (ph, g) in ready)
+                planned, self.routing[ph],
+                lambda g, ph=ph: (ph, g) in ready and (ph, g) not in starting)
         used = {(ph, g) for ph, t in self.routing.items() if t is not None for g in t.groups}
         for v in list(self.vpods.values()):
             planned = self.planned[v.phase]

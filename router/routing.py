@@ -121,10 +121,16 @@ def should_migrate(table: RoutingTable, group: Hashable, current_length: int,
 
 def make_before_break(new: RoutingTable, old: RoutingTable | None,
                       ready: Callable[[Hashable], bool]) -> RoutingTable:
-    """The table to route by while a plan is actuated: a bucket whose new group has no ready
-    vPod yet stays with its old group when that one has one and was sized for the bucket's
-    length (its best-fit length is not shorter), so no request waits for vPods to start while
-    running ones can serve it. Once every bucket's new group is ready this is ``new``."""
+    """The table to route by while a plan is actuated: a bucket whose new group is not ready
+    stays with its old group when that one is and was sized for the bucket's length (its
+    best-fit length is not shorter), so no request waits for vPods to start while running
+    ones can serve it. Once every bucket's new group is ready this is ``new``.
+
+    ``ready(group)`` is the drivers' test that a group can take what is routed to it: *all*
+    the capacity its plan ordered is up (a ready vPod and none still starting), not one ready
+    vPod - a group re-chosen to an allocation it already ran once vPod of took the buckets of
+    twelve running vPods on that one while its other ten loaded Llama3.1-405B's weights, and
+    queued 5,000 prompts (the Azure day's 16:45)."""
     if old is None or old.edges != new.edges:
         return new
     groups = []

@@ -584,15 +584,18 @@ class ClusterSim:
 
     def _route_tables(self, now: float) -> None:
         """The tables the router uses: each phase's planned table, with buckets whose new
-        group has no ready vPod yet left on their old group (router.routing.make_before_break);
+        group is not up yet (no ready vPod, or some still starting) left on their old group
+        (router.routing.make_before_break);
         vPods of evicted groups are released once no bucket routes to them."""
         ready_by = self.fleet.ready_by
+        starting = self.fleet.starting_groups() if self.cfg.make_before_break else set()
         for ph, planned in self._planned.items():
             if planned is None:
                 continue
             old = self._routing[ph]
             eff = planned if not self.cfg.make_before_break else make_before_break(
-                planned, old, lambda g, ph=ph: bool(ready_by.get((ph, g))))
+                planned, old, lambda g, ph=ph: bool(ready_by.get((ph, g)))
+                and (ph, g) not in starting)
             if eff is not old:
                 self._routing[ph] = eff
                 if ph == "decode":     # mis-predicted requests pick among these (by length)

@@ -323,3 +323,35 @@ def test_prefill_handoffs_reach_decode_in_time_order(db, monkeypatch):
     monkeypatch.setattr(simulator.ClusterSim, "_advance_engines", spy_advance_engines)
     run(db, "base", tr=trace(n=6000, span=600.0, lo=2000, hi=8000))
     assert max(len(s) for s in sources) >= 2        # slices fed by several prefill vPods
+
+
+def test_buckets_move_to_a_new_group_only_once_all_its_vpods_are_up(db):
+    """Make-before-break moves a bucket when the capacity its new group was ordered with is
+    up, not when one vPod of it is: a group re-chosen to an allocation that already ran one
+    vPod would otherwise take the load of the old group's many running vPods on that one
+    while the rest start (Llama3.1-405B on the Azure day: 5,000 prompts queued at 16:45)."""
+    from dse.vpod import VPodState
+    from orchestrator.cluster.fleet import SimVPod
+    from router.routing import RoutingTable
+    arr, inp, out = trace()
+    cfg = ClusterConfig()
+    sim = ClusterSim(ARCH, db, make_policies("neuscale", db, cfg.policy, inp, out), cfg)
+    sim._start(simulator._Requests(db, arr, inp, out))
+    edges = db.edges
+
+    def vpod(i, group, state):
+        return SimVPod(f"{group}#{i}", group, "prefill", "v6e", "2x2", 4, ("v6e", "2x2", 4, 1),
+                       1, 1e4, 0.0, 60.0, state=state)
+    fleet = sim.fleet
+    fleet.active = [vpod(k, "old", VPodState.READY) for k in range(3)] + \
+        [vpod(0, "new", VPodState.READY), vpod(1, "new", VPodState.STARTING)]
+    fleet.vpods = {v.id: v for v in fleet.active}
+    fleet.index_ready()
+    sim._routing["prefill"] = RoutingTable.build({len(edges) - 1: "old"}, edges)
+    sim._planned["prefill"] = RoutingTable.build({len(edges) - 1: "new"}, edges)
+    sim._route_tables(0.0)
+    assert set(sim._routing["prefill"].groups) == {"old"}       # one of two up: held
+    fleet.active[-1].state = VPodState.READY
+    fleet.index_ready()
+    sim._route_tables(10.0)
+    assert set(sim._routing["prefill"].groups) == {"new"}       # all up: moved
