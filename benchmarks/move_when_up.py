@@ -15,17 +15,15 @@ rate.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dse.errors import NeuScaleError  # noqa: E402
 from orchestrator.cluster import ClusterConfig, ClusterSim  # noqa: E402
 from orchestrator.cluster import simulator  # noqa: E402
 from orchestrator.registry import make_policies  # noqa: E402
-from rows import check_rows, load_row  # noqa: E402
+from rows import before_after_main, load_row  # noqa: E402
 
 
 _SHIPPED = simulator.ClusterSim._route_tables
@@ -57,26 +55,7 @@ def run(row: str, start: str, hours: float, before: bool, policy: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--row", default="llama3.1-405b:azure-code:energy:prefill",
-                    help="model:trace:metric:phase")
-    ap.add_argument("--policies", default="neuscale,neuscale-paper")
-    ap.add_argument("--start", default="15:00")
-    ap.add_argument("--hours", type=float, default=3.0)
-    args = ap.parse_args()
-    check_rows(ap, [args.row], args.hours, "--row")
-    pols = [p for p in args.policies.split(",") if p]
-    print(f"| {args.row} ({args.hours:g} h from {args.start}) | as-before: efficiency | SLO | "
-          "as-shipped: efficiency | SLO | shipped / before |")
-    print("|---|---|---|---|---|---|")
-    for pol in pols:
-        try:
-            e0, s0 = run(args.row, args.start, args.hours, True, pol)
-            e1, s1 = run(args.row, args.start, args.hours, False, pol)
-        except NeuScaleError as e:
-            sys.exit(f"error: {e}")
-        print(f"| {pol} | {e0:.4g} | {s0:.1%} | {e1:.4g} | {s1:.1%} | {e1 / e0:.2f}x |",
-              flush=True)
+    before_after_main(__doc__, run, "llama3.1-405b:azure-code:energy:prefill", "neuscale,neuscale-paper", "15:00", 3.0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A row of the results table as the row benchmarks name it (``model:trace:metric:phase``):
 checking the name and loading what a replay of it needs. Shared by ``headroom.py``,
-``seed_noise.py`` and ``handoff_order.py``."""
+``seed_noise.py``, ``handoff_order.py`` and ``move_when_up.py``."""
 
 from __future__ import annotations
 
@@ -55,3 +55,31 @@ def load_row(row: str, start: str, hours: float) -> Row:
     tr = load_trace(trace, start=start, hours=hours)
     return Row(arch, db, np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
                np.asarray(tr.output_tokens), metric, phase)
+
+
+def before_after_main(doc: str, run, row: str, policies: str, start: str,
+                      hours: float) -> None:
+    """The command line of a benchmark that replays a row with a fix patched out
+    (``run(row, start, hours, True, policy)``) and as shipped (``before=False``), and prints
+    per policy the efficiency and SLO rate of both and their ratio. The defaults are the
+    benchmark's own row and window. Shared by ``handoff_order.py`` and ``move_when_up.py``."""
+    from dse.errors import NeuScaleError
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--row", default=row, help="model:trace:metric:phase")
+    ap.add_argument("--policies", default=policies)
+    ap.add_argument("--start", default=start)
+    ap.add_argument("--hours", type=float, default=hours)
+    args = ap.parse_args()
+    check_rows(ap, [args.row], args.hours, "--row")
+    pols = [p for p in args.policies.split(",") if p]
+    print(f"| {args.row} ({args.hours:g} h from {args.start}) | as-before: efficiency | SLO | "
+          "as-shipped: efficiency | SLO | shipped / before |")
+    print("|---|---|---|---|---|---|")
+    for pol in pols:
+        try:
+            e0, s0 = run(args.row, args.start, args.hours, True, pol)
+            e1, s1 = run(args.row, args.start, args.hours, False, pol)
+        except NeuScaleError as e:
+            sys.exit(f"error: {e}")
+        print(f"| {pol} | {e0:.4g} | {s0:.1%} | {e1:.4g} | {s1:.1%} | {e1 / e0:.2f}x |",
+              flush=True)

@@ -128,7 +128,7 @@ def make_before_break(new: RoutingTable, old: RoutingTable | None,
 
     ``ready(group)`` is the drivers' test that a group can take what is routed to it: *all*
     the capacity its plan ordered is up (a ready vPod and none still starting), not one ready
-    vPod - a group re-chosen to an allocation it already ran once vPod of took the buckets of
+    vPod - a group re-chosen to an allocation it already ran one vPod of took the buckets of
     twelve running vPods on that one while its other ten loaded Llama3.1-405B's weights, and
     queued 5,000 prompts (the Azure day's 16:45)."""
     if old is None or old.edges != new.edges:
