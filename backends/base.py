@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
+from dse.parallel import ATTN_LAYOUTS
 from dse.vpod import VPodState
 
 PHASES = ("prefill", "decode")
@@ -93,7 +94,8 @@ class VPodSpec:
     max_model_len: int         # vLLM --max-model-len
     labels: Mapping[str, str] = field(default_factory=dict)
     # MoE stage layout (dse.parallel.Parallelism.attn): "dp" attention data-parallel over the
-    # ep groups (vLLM --data-parallel-size ep), "tp" attention TP over tp*ep chips
+    # ep groups with TP inside each expert group, "tp" attention TP over tp*ep chips, "hybrid"
+    # attention as "dp", whole experts over all tp*ep chips (vLLM --data-parallel-size ep)
     attn: str = "dp"
 
     def __post_init__(self) -> None:
@@ -120,9 +122,10 @@ class VPodSpec:
         for name in ("num_chips", "tp", "pp", "ep", "max_batch"):
             if getattr(self, name) < 1:
                 p.append(f"{name} must be >= 1, not {getattr(self, name)}")
-        if self.attn not in ("dp", "tp"):
-            p.append(f"attn {self.attn!r} must be 'dp' (attention data-parallel over ep) or "
-                     "'tp' (attention tensor-parallel over tp*ep)")
+        if self.attn not in ATTN_LAYOUTS:
+            p.append(f"attn {self.attn!r} must be 'dp' (attention data-parallel over ep), "
+                     "'tp' (attention tensor-parallel over tp*ep) or 'hybrid' (attention "
+                     "data-parallel, experts over tp*ep)")
         if self.max_model_len < 2:
             p.append(f"max_model_len must be >= 2, not {self.max_model_len}")
         if self.tp * self.pp * self.ep != self.num_chips:

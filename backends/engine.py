@@ -180,8 +180,16 @@ def vllm_argv(spec: VPodSpec, settings: EngineSettings, *, multi_host: bool = Fa
         raise ConfigError("engine.model must name the weights: a Hugging Face id, a gs:// "
                           "path or a directory on the hosts")
     argv = [*settings.command, weights_path(settings)]
-    # "dp" layout: ep data-parallel attention ranks of TP tp; "tp" layout: one rank of TP
-    # tp*ep, the experts expert-parallel over the same chips (vLLM: EP spans DP x TP ranks)
+    # "tp" layout: one rank of TP tp*ep, the experts expert-parallel over the same chips;
+    # "hybrid": ep data-parallel attention ranks of TP tp, the experts expert-parallel over
+    # all of them (vLLM's EP group spans DP x TP ranks). vLLM has no TP inside an expert
+    # group of a data-parallel vPod, so the "dp" layout with tp, ep >= 2 is refused (the
+    # vllm-tpu stack profile does not enumerate it); with tp = 1 it is the hybrid's launch.
+    if spec.attn == "dp" and spec.tp > 1 and spec.ep > 1:
+        raise ConfigError(f"vPod {spec.id}: the dp MoE layout with tp={spec.tp} and ep={spec.ep} "
+                          "(TP inside each expert group) is not a layout vLLM can launch; "
+                          "rebuild the best-fit database with the vllm-tpu stack profile, "
+                          "whose splits are tp or hybrid")
     tpattn = spec.attn == "tp"
     dp = 1 if tpattn else spec.ep
     tp = spec.tp * spec.ep if tpattn else spec.tp

@@ -4,11 +4,14 @@ and the geometric-mean efficiency ratio of the best fits, switch / baseline.
 
     python benchmarks/bestfit_changes.py --model llama3-70b --metric energy --switch stack
     python benchmarks/bestfit_changes.py --model llama3-70b --switch power
+    python benchmarks/bestfit_changes.py --model deepseek-v3 --switch layouts
 
 Switches: ``stack`` - the default serving-stack profile (vllm-tpu) against the bare chip model
-(``none``); ``power`` - the measured maximum chip power (v4's 192 W) against none at all.
-(The collective overlap and the DeepSeek-V3 layout are code, not switches: their counts in the
-README come from builds before and after their commits.)
+(``none``); ``power`` - the measured maximum chip power (v4's 192 W) against none at all;
+``layouts`` - the MoE layouts vllm-tpu can launch (``tp``, ``hybrid``) against what was
+enumerated before the hybrid layout (``dp`` with TP inside expert groups, and ``tp``).
+(The collective overlap and the attention-TP layout are code, not switches: their counts in
+the README come from builds before and after their commits.)
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 from collections import Counter, defaultdict
 
 
-def build(model: str, metric: str, stack: str, power_cap: bool):
+def build(model: str, metric: str, stack, power_cap: bool):
     from dse.builder import BuildOptions, build as dse_build
     from dse.catalog import BUILTIN_CHIPS, Catalog
     chips = BUILTIN_CHIPS if power_cap else tuple(
@@ -49,11 +52,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama3-70b")
     ap.add_argument("--metric", choices=["energy", "cost"], default="energy")
-    ap.add_argument("--switch", choices=["stack", "power"], default="stack")
+    ap.add_argument("--switch", choices=["stack", "power", "layouts"], default="stack")
     args = ap.parse_args()
     try:
         if args.switch == "stack":
             base = build(args.model, args.metric, "none", True)
+            other = build(args.model, args.metric, "vllm-tpu", True)
+        elif args.switch == "layouts":
+            from dse.stacks import get_stack
+            old = dataclasses.replace(get_stack("vllm-tpu"), moe_layouts=("dp", "tp"))
+            base = build(args.model, args.metric, old, True)
             other = build(args.model, args.metric, "vllm-tpu", True)
         else:
             base = build(args.model, args.metric, "vllm-tpu", False)

@@ -98,7 +98,8 @@ class DSE:
     def candidates(self, chip: ChipSpec, max_chips: int = MAX_VPOD_CHIPS) -> list[Candidate]:
         out = []
         for topo in enumerate_topologies(chip, max_chips):
-            for par in enumerate_parallelisms(self.arch, topo.num_chips):
+            for par in enumerate_parallelisms(self.arch, topo.num_chips,
+                                              self.stack.moe_layouts):
                 out.append(Candidate(chip, topo, par))
         return out
 

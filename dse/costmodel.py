@@ -42,8 +42,8 @@ from .models import BYTES_PER_PARAM, ModelArch
 # The split of a model over chips and the torus collectives live in their own modules (the chip
 # model uses them too); the names are re-exported here, where callers have always found them.
 from .stacks import StackProfile, get_stack
-from .parallel import (ATTN_LAYOUTS, Parallelism, busiest_active_experts, dispatch_tokens,
-                       enumerate_parallelisms,
+from .parallel import (ATTN_LAYOUTS, LAYOUT_SUFFIX, Parallelism, busiest_active_experts,
+                       dispatch_tokens, enumerate_parallelisms,
                        max_weights_bytes, stage_layout, stage_weights, validate_parallelism,
                        weight_bytes)
 from .torus import (Collective, allgather_cost, allreduce_cost, alltoall_cost, collectives,
@@ -63,8 +63,9 @@ FLASH_Q_BLOCK = 512
 PREFILL_CHUNK_TOKENS = 8192
 B2 = BYTES_PER_PARAM  # bf16 activations and KV cache
 # Version of the cost model's physics: databases built by an older one are rebuilt (cache keys).
-MODEL_VERSION = 5       # 2: prefill KV in flight; 3: stack time; 4: overlap, measured power;
-#                         5: the tensor-parallel-attention MoE layout (Parallelism.attn)
+MODEL_VERSION = 6       # 2: prefill KV in flight; 3: stack time; 4: overlap, measured power;
+#                         5: the tensor-parallel-attention MoE layout (Parallelism.attn);
+#                         6: the hybrid MoE layout, layouts per serving stack
 
 REASONS = ("weights", "kv_cache", "activations")
 BOUNDS = ("compute", "memory", "ici")
@@ -551,8 +552,8 @@ __all__ = ["CostModel", "Roofline", "roofline", "on_chip", "OnChip", "latency_ef
            "PHASES", "METRICS", "REASONS", "BOUNDS", "infeasible_message",
            "HBM_USABLE_FRACTION", "MODEL_VERSION",
            # re-exported from dse.parallel and dse.torus
-           "Parallelism", "ATTN_LAYOUTS", "dispatch_tokens", "validate_parallelism",
-           "enumerate_parallelisms", "stage_layout",
+           "Parallelism", "ATTN_LAYOUTS", "LAYOUT_SUFFIX", "dispatch_tokens",
+           "validate_parallelism", "enumerate_parallelisms", "stage_layout",
            "weight_bytes", "stage_weights", "max_weights_bytes", "group_dims", "Collective",
            "allreduce_cost", "allgather_cost", "alltoall_cost", "p2p_cost", "collectives",
            "stack_collectives"]

@@ -1,7 +1,7 @@
 """How a model is split over the chips of a vPod: TP x PP x EP, its pipeline stages and the
 weights each chip holds.
 
-Two layouts of a mixture-of-experts stage (``Parallelism.attn``):
+Three layouts of a mixture-of-experts stage (``Parallelism.attn``):
 
 * ``"dp"`` (the original one): attention is data-parallel over ``ep`` groups of ``tp`` chips
   (each group holds its own sequences and their KV cache), the routed experts are split over
@@ -11,6 +11,17 @@ Two layouts of a mixture-of-experts stage (``Parallelism.attn``):
   over the same chips, ``n_experts / (tp * ep)`` whole experts each (no TP inside an expert):
   vLLM's ``--tensor-parallel-size N --enable-expert-parallel``. MLA's latent KV cache is shared
   by all heads, so it cannot be split by heads: every chip holds the latent of every sequence.
+* ``"hybrid"``: attention data-parallel over ``ep`` groups of TP ``tp`` (as ``"dp"``), the
+  routed experts expert-parallel over all ``tp * ep`` chips of the stage, whole experts (as
+  ``"tp"``): vLLM's ``--data-parallel-size ep --tensor-parallel-size tp
+  --enable-expert-parallel`` (its expert-parallel group spans DP x TP ranks) and sglang-jax's
+  DP attention with EPMoE. Each chip dispatches a ``1/tp`` slice of its DP group's tokens.
+  Distinct from the other two only when ``tp >= 2`` and ``ep >= 2`` (``tp = 1`` is ``"dp"``,
+  ``ep = 1`` is ``"tp"``), so only such splits carry it.
+
+Which of them a serving stack can run is the stack profile's ``moe_layouts``
+(:mod:`dse.stacks`): vLLM cannot put TP inside an expert group of a data-parallel vPod, so
+under ``vllm-tpu`` a ``"dp"`` split with ``tp >= 2`` and ``ep >= 2`` is not enumerated.
 
 Shared by the roofline (:mod:`dse.costmodel`) and the per-operator chip model
 (:mod:`sim.chip`), so both judge the same shards; the torus side (which dimensions each group
@@ -32,7 +43,12 @@ from .xla_cost import ShardDims, fit_key
 B2 = BYTES_PER_PARAM  # bf16 weights
 
 
-ATTN_LAYOUTS = ("dp", "tp")   # attention data-parallel over the EP groups / TP over the stage
+# attention data-parallel over the EP groups / TP over the stage / DP attention with the
+# experts expert-parallel over the whole stage
+ATTN_LAYOUTS = ("dp", "tp", "hybrid")
+
+
+LAYOUT_SUFFIX = {"dp": "", "tp": "-tpattn", "hybrid": "-hybrid"}   # printed after the split
 
 
 @dataclass(frozen=True, order=True)
@@ -68,12 +84,12 @@ class Parallelism:
     @property
     def moe_ep(self) -> int:
         """Expert groups the routed experts are split over (the all-to-all's group)."""
-        return self.tp * self.ep if self.attn == "tp" else self.ep
+        return self.tp * self.ep if self.attn in ("tp", "hybrid") else self.ep
 
     @property
     def moe_tp(self) -> int:
         """TP inside one routed expert."""
-        return 1 if self.attn == "tp" else self.tp
+        return 1 if self.attn in ("tp", "hybrid") else self.tp
 
     def shard(self, arch: ModelArch) -> ShardDims:
         """Chip-local sizes of ``arch`` under this split: attention, dense MLP, shared expert
@@ -98,7 +114,7 @@ class Parallelism:
 
     def __str__(self) -> str:
         return (f"tp{self.tp}-pp{self.pp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
-                + ("-tpattn" if self.attn == "tp" else ""))
+                + LAYOUT_SUFFIX[self.attn])
 
 
 def validate_parallelism(arch: ModelArch, par: Parallelism) -> None:
@@ -112,6 +128,14 @@ def validate_parallelism(arch: ModelArch, par: Parallelism) -> None:
     if par.attn == "tp" and not arch.is_moe:
         probs.append(f"the tensor-parallel attention layout needs a mixture-of-experts model "
                      f"({arch.name} is dense; plain tp is the same thing)")
+    if par.attn == "hybrid":
+        if not arch.is_moe:
+            probs.append(f"the hybrid layout needs a mixture-of-experts model ({arch.name} is "
+                         "dense)")
+        elif par.tp < 2 or par.ep < 2:
+            same = "the dp layout" if par.tp < 2 else f"tp=1, ep={par.tp} with attn tp"
+            probs.append(f"the hybrid layout needs tp >= 2 and ep >= 2 (with tp={par.tp}, "
+                         f"ep={par.ep} it is {same})")
     if par.attn == "tp" and par.attn_tp > arch.heads:
         probs.append(f"tp*ep={par.attn_tp} (attention TP of the tpattn layout) exceeds the "
                      f"model's {arch.heads} attention heads")
@@ -122,16 +146,25 @@ def validate_parallelism(arch: ModelArch, par: Parallelism) -> None:
     if par.ep > 1 and not arch.is_moe:
         probs.append(f"ep={par.ep} needs a mixture-of-experts model ({arch.name} is dense)")
     if arch.is_moe and par.moe_ep > arch.n_routed_experts:
-        probs.append(f"{'tp*ep' if par.attn == 'tp' else 'ep'}={par.moe_ep} exceeds the "
+        probs.append(f"{'ep' if par.attn == 'dp' else 'tp*ep'}={par.moe_ep} exceeds the "
                      f"model's {arch.n_routed_experts} experts")
     if probs:
         raise NeuScaleError(f"invalid parallelism {par} for {arch.name}: " + "; ".join(probs))
 
 
-def enumerate_parallelisms(arch: ModelArch, n_chips: int) -> list[Parallelism]:
-    """All TP x PP (x EP) factorisations of ``n_chips`` valid for the model; for a MoE model
-    also the tensor-parallel-attention layout of every stage of ``N >= 2`` chips, once per
-    ``N`` as ``tp=1, ep=N`` (its physics depends on ``tp * ep`` only)."""
+def enumerate_parallelisms(arch: ModelArch, n_chips: int,
+                           layouts: "tuple[str, ...] | list[str]" = ATTN_LAYOUTS
+                           ) -> list[Parallelism]:
+    """All TP x PP (x EP) factorisations of ``n_chips`` valid for the model. For a MoE model,
+    in the ``layouts`` a serving stack can run (module docstring): ``"dp"`` splits (without
+    ``"dp"``, only those with ``tp = 1`` or ``ep = 1``, which are the same under every
+    layout); the tensor-parallel-attention layout of every stage of ``N >= 2`` chips, once per
+    ``N`` as ``tp=1, ep=N`` (its physics depends on ``tp * ep`` only); the hybrid layout of
+    every split with ``tp >= 2``, ``ep >= 2`` and ``tp * ep`` experts at most."""
+    bad = [x for x in layouts if x not in ATTN_LAYOUTS]
+    if bad or not layouts:
+        raise NeuScaleError(f"MoE layouts {list(layouts)!r}: each must be one of "
+                            f"{', '.join(ATTN_LAYOUTS)}")
     out = []
     tp = 1
     while tp <= min(n_chips, arch.heads):
@@ -139,12 +172,16 @@ def enumerate_parallelisms(arch: ModelArch, n_chips: int) -> list[Parallelism]:
         while tp * ep <= n_chips and (ep == 1 or (arch.is_moe and ep <= arch.n_routed_experts)):
             pp = n_chips // (tp * ep)
             if tp * ep * pp == n_chips and pp <= arch.layers:
-                out.append(Parallelism(tp, pp, ep))
+                split = tp > 1 and ep > 1      # where the layouts differ
+                if not split or "dp" in layouts:
+                    out.append(Parallelism(tp, pp, ep))
+                if split and "hybrid" in layouts and tp * ep <= arch.n_routed_experts:
+                    out.append(Parallelism(tp, pp, ep, "hybrid"))
             ep *= 2
             if not arch.is_moe:
                 break
         tp *= 2
-    if arch.is_moe:
+    if arch.is_moe and "tp" in layouts:
         n = 2
         while n <= min(n_chips, arch.heads, arch.n_routed_experts):
             pp = n_chips // n
@@ -157,9 +194,13 @@ def enumerate_parallelisms(arch: ModelArch, n_chips: int) -> list[Parallelism]:
 def dispatch_tokens(par: Parallelism, t_attn):
     """Tokens one chip sends in a MoE dispatch (and receives back in the combine): its DP
     group's tokens (``"dp"`` layout; every chip of the group sends them, as the chip model
-    does), or a ``1/(tp*ep)`` slice of the stage's tokens (``"tp"`` layout: after the attention
-    all-reduce every chip holds all of them, and each dispatches its slice)."""
-    return t_attn / par.stage_chips if par.attn == "tp" else t_attn
+    does), a ``1/(tp*ep)`` slice of the stage's tokens (``"tp"`` layout: after the attention
+    all-reduce every chip holds all of them, and each dispatches its slice), or a ``1/tp``
+    slice of its DP group's tokens (``"hybrid"``: the group's ``tp`` chips hold the same
+    tokens after the attention all-reduce and split the dispatch)."""
+    if par.attn == "tp":
+        return t_attn / par.stage_chips
+    return t_attn / par.tp if par.attn == "hybrid" else t_attn
 
 
 def busiest_active_experts(experts: int, n_experts_total: int, p_active):
@@ -237,7 +278,7 @@ def max_weights_bytes(a: ModelArch, par: Parallelism) -> float:
                for nd, nm, he, hl, _ in stage_layout(a, par.pp))
 
 
-__all__ = ["Parallelism", "ATTN_LAYOUTS", "dispatch_tokens", "busiest_active_experts",
+__all__ = ["Parallelism", "ATTN_LAYOUTS", "LAYOUT_SUFFIX", "dispatch_tokens", "busiest_active_experts",
            "validate_parallelism",
            "enumerate_parallelisms", "stage_layout",
            "weight_bytes", "stage_weights", "max_weights_bytes"]

@@ -28,6 +28,10 @@ Fields (SI units):
 * ``moe_dispatch`` - how routed tokens reach their experts: ``"a2a"`` (all-to-all of each
   token to its experts' chips) or ``"allgather"`` (every token to every chip of the expert
   group, partial outputs summed by an all-reduce: sglang-jax's EPMoE).
+* ``moe_layouts`` - the mixture-of-experts stage layouts (:mod:`dse.parallel`) the stack can
+  launch; the DSE enumerates no other. vLLM and sglang-jax run ``"tp"`` and ``"hybrid"``: their
+  expert-parallel group spans every rank of a stage, so the ``"dp"`` layout's TP inside
+  ``ep`` expert groups (``tp >= 2``, ``ep >= 2``) is not theirs.
 * ``attn_decode_eff`` / ``attn_prefill_eff`` - the attention kernels' achieved fraction of what
   the chip model's kernels reach (ragged paged attention: page gathers, padding of ragged
   batches, grid overheads). The chip model's attention operators take ``time / eff``.
@@ -46,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from .errors import NeuScaleError
+from .parallel import ATTN_LAYOUTS
 
 
 MOE_DISPATCH = ("a2a", "allgather")
@@ -63,6 +68,7 @@ class StackProfile:
     mixed_prefill: bool = True
     pad_tokens: int = 0
     moe_dispatch: str = "a2a"
+    moe_layouts: tuple[str, ...] = ATTN_LAYOUTS
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -83,6 +89,13 @@ class StackProfile:
                 or (v and v & (v - 1)):
             raise NeuScaleError(f"stack {self.name!r}: pad_tokens must be 0 or a power of two "
                                 f"up to {1 << 20:,} (got {v!r})")
+        lay = self.moe_layouts
+        if isinstance(lay, str) or not isinstance(lay, (tuple, list)) or not lay \
+                or any(x not in ATTN_LAYOUTS for x in lay) or len(set(lay)) != len(lay):
+            raise NeuScaleError(f"stack {self.name!r}: moe_layouts must be a non-empty list of "
+                                f"distinct layouts out of {', '.join(ATTN_LAYOUTS)} "
+                                f"(got {lay!r})")
+        object.__setattr__(self, "moe_layouts", tuple(lay))
         if self.moe_dispatch not in MOE_DISPATCH:
             raise NeuScaleError(f"stack {self.name!r}: moe_dispatch must be one of "
                                 f"{', '.join(MOE_DISPATCH)} (got {self.moe_dispatch!r})")
@@ -120,6 +133,7 @@ class StackProfile:
         d = asdict(self)
         d.pop("sources")
         d.pop("description")
+        d["moe_layouts"] = list(self.moe_layouts)    # as JSON holds it (a database's record)
         return d
 
     def key(self) -> str:
@@ -150,11 +164,17 @@ VLLM_TPU = StackProfile(
     # --async-scheduling (tpu-recipes' command line; tpu-inference PR #924: +39 % req/s on
     # Llama3.2-1B): host work overlaps the device step - the 70B rows show no exposed host time
     overlap=True,
+    # vLLM: "By default, expert layers form a tensor parallel group of size DP x TP"; with
+    # --enable-expert-parallel they are expert-parallel over the same ranks, whole experts
+    # (docs.vllm.ai "Data Parallel Deployment"). Neither puts TP inside an expert group of
+    # a DP vPod (the "dp" layout with tp, ep >= 2).
+    moe_layouts=("tp", "hybrid"),
     description="vLLM TPU (tpu-inference, JAX; async scheduling, ragged paged attention)",
     sources={"step_s": "tpu-inference PR #47 (Llama3.1-8B, v6e-1, TPOT 32.89 ms)",
              "request_s": "tpu-recipes Llama3.x README (Llama3.3-70B v6e-8, TTFT p50 198.8 ms)",
              "attn_decode_eff": "arXiv 2604.15464 (RPA: up to 86 % MBU in decode)",
-             "overlap": "tpu-inference PR #924 (async scheduler)"})
+             "overlap": "tpu-inference PR #924 (async scheduler)",
+             "moe_layouts": "docs.vllm.ai Data Parallel Deployment (experts over DP x TP ranks)"})
 
 # JetStream (MaxText engine): prefill and generate steps interleaved, no chunking.
 JETSTREAM = StackProfile(
@@ -191,6 +211,9 @@ SGLANG_JAX = StackProfile(
     # combine jax.lax.psum over "expert"; xprof: the all-gather is 40 % of an EXTEND step at
     # T = 8192 on DeepSeek-V3 v6e-64 (sglang-jax issue #1318)
     moe_dispatch="allgather",
+    # DeepSeek-V3 cookbook: --tp-size 64 --dp-size 8 --ep-size 64 (DP attention of TP 8,
+    # experts over all 64 chips) or without --dp-size (attention TP over them)
+    moe_layouts=("tp", "hybrid"),
     description="sglang-jax (overlap scheduler, ragged paged attention, prefill-first "
                 "scheduling, padded shapes, EPMoE)",
     sources={"step_s": "sglang-jax cookbook Llama3.1.md (8B v6e-4: TPOT 9.94 ms)",
@@ -198,7 +221,8 @@ SGLANG_JAX = StackProfile(
              "attn_decode_eff": "arXiv 2604.15464 (RPA: up to 86 % MBU in decode)",
              "mixed_prefill": "sglang-jax scheduler.py, server_args.py (enable_mixed_chunk)",
              "pad_tokens": "sglang-jax schedule_batch.py _compute_global_padding_sizes",
-             "moe_dispatch": "sglang-jax layers/moe.py EPMoE; issue #1318 (xprof)"})
+             "moe_dispatch": "sglang-jax layers/moe.py EPMoE; issue #1318 (xprof)",
+             "moe_layouts": "sglang-jax DeepSeek-V3 cookbook (--dp-size, --ep-size)"})
 
 PROFILES: dict[str, StackProfile] = {p.name: p for p in (VLLM_TPU, JETSTREAM, SGLANG_JAX, NONE)}
 DEFAULT_STACK = "vllm-tpu"

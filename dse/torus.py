@@ -25,29 +25,39 @@ def group_dims(topo: ICITopology, chip: ChipSpec, par: Parallelism
     """Assign torus dimensions to the TP, then EP, then PP groups (largest dimensions first, so
     the most communication-heavy group gets the longest rings). Returns, per group, the
     (extent, has_wraparound) of each dimension it spans. Under tensor-parallel attention
-    (``par.attn == "tp"``) the ``tp`` and ``ep`` groups are the same ``tp * ep`` chips."""
+    (``par.attn == "tp"``) the ``tp`` and ``ep`` groups are the same ``tp * ep`` chips; under
+    the hybrid layout the ``ep`` entry (the experts' all-to-all) spans the ``tp`` group's
+    dimensions and the data-parallel groups' ones: the whole stage."""
     if topo.num_chips != par.chips:
         raise NeuScaleError(f"{par} uses {par.chips} chips but topology {topo} has "
                             f"{topo.num_chips}")
     wrap = topo.has_wraparound(chip)
     order = sorted(range(topo.ndim), key=lambda i: -topo.dims[i])
-    remaining = {i: topo.dims[i] for i in order}
-    out: dict[str, list[tuple[int, bool]]] = {"tp": [], "ep": [], "pp": []}
+
+    def assign(groups) -> dict[str, list[tuple[int, bool]]]:
+        remaining = {i: topo.dims[i] for i in order}
+        got: dict[str, list[tuple[int, bool]]] = {"tp": [], "ep": [], "pp": []}
+        for name, need in groups:
+            for i in order:
+                if need == 1:
+                    break
+                f = min(need, remaining[i])
+                if f > 1:
+                    got[name].append((f, wrap and f == topo.dims[i]))
+                    remaining[i] //= f
+                    need //= f
+        return got
+
     # tensor-parallel attention: the TP group (all-reduces) spans the whole stage, and the
     # experts' all-to-all runs over the same chips
-    groups = ((("tp", par.stage_chips), ("pp", par.pp)) if par.attn == "tp" else
-              (("tp", par.tp), ("ep", par.ep), ("pp", par.pp)))
-    for name, need in groups:
-        for i in order:
-            if need == 1:
-                break
-            f = min(need, remaining[i])
-            if f > 1:
-                out[name].append((f, wrap and f == topo.dims[i]))
-                remaining[i] //= f
-                need //= f
+    stage = assign((("tp", par.stage_chips), ("pp", par.pp)))
     if par.attn == "tp":
-        out["ep"] = list(out["tp"])
+        return {"tp": stage["tp"], "ep": list(stage["tp"]), "pp": stage["pp"]}
+    out = assign((("tp", par.tp), ("ep", par.ep), ("pp", par.pp)))
+    if par.attn == "hybrid":
+        # the same chips as the tp and ep groups together (both fill the largest dimensions
+        # first), laid as one group: a dimension they share is one ring, not two
+        out["ep"] = stage["tp"]
     return out
 
 

@@ -33,6 +33,7 @@ import aiohttp
 from backends.base import (Backend, BackendError, ConfigError, QuotaError,
                            VPodInfo, VPodSpec, label_value, with_retries)
 from dse.db import BestFitDB, Entry
+from dse.parallel import LAYOUT_SUFFIX
 from dse.vpod import VPodState
 from router.gateway import Endpoint, Gateway
 from router.routing import RoutingTable, make_before_break
@@ -327,7 +328,7 @@ class Controller:
             return
         self.state.set_json("calibration", self.recal.calibration.to_json())
         for (chip, topo, tp, pp, ep, attn, phase), f in moved.items():
-            lay = "-tpattn" if attn == "tp" else ""
+            lay = LAYOUT_SUFFIX.get(attn, f"-{attn}")
             self._event("recalibrate", f"{phase} {chip}:{topo} tp{tp}-pp{pp}-ep{ep}{lay}",
                         f"measured / modelled latency -> factor {f:.2f}")
 

@@ -73,6 +73,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from dse.catalog import Catalog, default_catalog
+from dse.errors import NeuScaleError
 from dse.models import ModelArch, load_model
 from dse.tokens import chat_prompt, count_tokens
 from sim.lifecycle import kv_transfer_s
@@ -937,17 +938,34 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def vllm_layout(arch: ModelArch, tp: int, ep: int, dp: int | None,
+                enable_expert_parallel: bool) -> tuple[int, int, str, int]:
+    """What vLLM runs for these flags, as the DSE names it: ``(tp, ep, attn, ranks)``, where
+    ``ranks`` is the number of data-parallel engines ``--max-num-seqs`` applies to each
+    (:func:`backends.engine.vllm_argv` is the other direction)."""
+    if dp:
+        if arch.is_moe and dp > 1 and not enable_expert_parallel:
+            # vLLM then makes the experts one TP group over all DP x TP ranks: no layout here
+            raise NeuScaleError("--data-parallel-size without --enable-expert-parallel (the "
+                                "experts tensor-parallel over every rank) is not a modelled "
+                                "layout; add --enable-expert-parallel")
+        # DP attention ranks of TP tp, experts expert-parallel over all of them: "hybrid"
+        # (with tp = 1 that is the "dp" layout's split)
+        return tp, dp, ("hybrid" if arch.is_moe and tp > 1 and dp > 1 else "dp"), dp
+    if enable_expert_parallel and arch.is_moe and ep == 1 and tp > 1:
+        # TP + EP without data parallelism: attention TP over the ranks, whole experts
+        # expert-parallel over the same ranks ("tp")
+        return 1, tp, "tp", 1
+    return tp, ep, "dp", 1
+
+
 async def _main_async(args: argparse.Namespace) -> None:
     from dse.files import write_atomic
     catalog = default_catalog()
     arch = load_model(args.model)
-    attn = "dp"
-    if args.dp:
-        args.ep, args.max_num_seqs = args.dp, args.max_num_seqs * args.dp
-    elif args.enable_expert_parallel and arch.is_moe and args.ep == 1 and args.tp > 1:
-        # vLLM's TP + EP without data parallelism: attention TP over the ranks, whole experts
-        # expert-parallel over the same ranks (backends.engine.vllm_argv, layout "tp")
-        args.tp, args.ep, attn = 1, args.tp, "tp"
+    args.tp, args.ep, attn, per_rank = vllm_layout(arch, args.tp, args.ep, args.dp,
+                                                   args.enable_expert_parallel)
+    args.max_num_seqs *= per_rank
     table = step_cost_table(arch, catalog, args.chip, args.topology, args.tp, args.pp, args.ep,
                             args.stack, attn)
     chip = catalog.get(args.chip)

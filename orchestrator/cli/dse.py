@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dse.errors import NeuScaleError
+from dse.parallel import ATTN_LAYOUTS
 
 from .common import (add_common, add_stack, catalog, check_out_dir, check_out_file, chip_list,
                      number, positive_float, positive_int, print_json, workers)
@@ -365,10 +366,12 @@ def add_parallelism(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--tp", type=positive_int("--tp"), required=required)
     p.add_argument("--pp", type=positive_int("--pp"), default=1)
     p.add_argument("--ep", type=positive_int("--ep"), default=1)
-    p.add_argument("--attn", choices=["dp", "tp"], default="dp",
+    p.add_argument("--attn", choices=list(ATTN_LAYOUTS), default="dp",
                    help="MoE stage layout: dp = attention data-parallel over the ep groups "
                         "(experts TP tp inside each), tp = attention tensor-parallel over tp*ep "
-                        "chips with whole experts expert-parallel over them (default dp)")
+                        "chips with whole experts expert-parallel over them, hybrid = attention "
+                        "as dp, experts as tp (what vLLM runs for --data-parallel-size ep "
+                        "--enable-expert-parallel; default dp)")
     p.add_argument("--topology", help="pod shape, e.g. 2x2x1 (default: most compact)")
 
 

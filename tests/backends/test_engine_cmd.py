@@ -37,7 +37,8 @@ def test_vllm_argv_carries_the_allocation():
             EngineSettings.from_mapping({"model": "m", "max_num_batched_tokens": bad})
     assert "--enable-expert-parallel" not in a
     # experts: data-parallel attention over ep, experts over all chips; batch per DP rank
-    e = vllm_argv(spec(num_chips=16, topology="2x2x4", tp=4, ep=4, max_batch=250), s)
+    e = vllm_argv(spec(num_chips=16, topology="2x2x4", tp=4, ep=4, max_batch=250,
+                       attn="hybrid"), s)
     je = " ".join(e)
     assert "--data-parallel-size 4" in je and "--enable-expert-parallel" in e
     assert "--max-num-seqs 63" in je

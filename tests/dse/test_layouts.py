@@ -1,8 +1,9 @@
-"""The two MoE stage layouts (issue 14 part 4): ``Parallelism.attn == "dp"`` (attention
-data-parallel over the ep groups, experts TP inside each) and ``"tp"`` (attention tensor-parallel
-over all tp*ep chips of the stage, whole experts expert-parallel over the same chips), in the
-roofline (dse/costmodel.py), the chip model (sim/chip.py), the enumeration, the database and
-the engine command line."""
+"""The three MoE stage layouts (issue 14 part 4): ``Parallelism.attn == "dp"`` (attention
+data-parallel over the ep groups, experts TP inside each), ``"tp"`` (attention tensor-parallel
+over all tp*ep chips of the stage, whole experts expert-parallel over the same chips) and
+``"hybrid"`` (attention as "dp", experts as "tp": what vLLM runs for a data-parallel vPod), in
+the roofline (dse/costmodel.py), the chip model (sim/chip.py), the enumeration (per serving
+stack), the database, the engine command line and the simulated engine's reading of it."""
 import json
 import math
 from dataclasses import replace
@@ -11,13 +12,16 @@ import numpy as np
 import pytest
 
 from backends.base import VPodSpec
+from backends.base import ConfigError
 from backends.engine import EngineSettings, vllm_argv
+from backends.sim.engine_server import _parser as engine_parser, vllm_layout
 from dse import BuildOptions, NeuScaleError, build, default_catalog, load_model
 from dse.builder import DSE, Candidate
 from dse.costmodel import (CostModel, HBM_USABLE_FRACTION, Parallelism, allreduce_cost,
                            alltoall_cost, collectives, enumerate_parallelisms, group_dims,
                            validate_parallelism)
 from dse.db import BestFitDB
+from dse.stacks import get_stack, parse_stack
 from dse.vpod import ICITopology
 from sim.chip import ChipModel
 from sim.validate import spearman
@@ -37,6 +41,7 @@ def _chip_model(par: Parallelism, chip="v5p", shape="4x4x2", arch=DS) -> ChipMod
 
 DP = Parallelism(4, 1, 8)             # 8 attention DP groups of TP 4, experts TP 4 in 8 groups
 TPA = Parallelism(1, 1, 32, "tp")     # attention TP 32, 8 whole experts per chip
+HYB = Parallelism(4, 1, 8, "hybrid")  # 8 attention DP groups of TP 4, 8 whole experts per chip
 
 
 # ---- representation and enumeration -------------------------------------------------------
@@ -233,7 +238,7 @@ def ds_db(tmp_path_factory):
     return db, path
 
 
-def test_built_fronts_hold_both_layouts_and_decode_picks_dp(ds_db):
+def test_built_fronts_hold_the_stacks_layouts_and_decode_keeps_attention_data_parallel(ds_db):
     db, _ = ds_db
     assert db.meta["pareto_columns"][5] == "attn"
     seen = {ph: set() for ph in ("prefill", "decode")}
@@ -241,11 +246,14 @@ def test_built_fronts_hold_both_layouts_and_decode_picks_dp(ds_db):
         ph, edge, chip = key.split("|")
         for p in db.pareto_for(ph, int(edge), chip):
             seen[ph].add(p["attn"])
-    # prefill fronts hold both layouts (the "tp" layout's low-latency end)
-    assert seen["prefill"] == {"dp", "tp"}
-    # decode best fits keep the "dp" layout: each chip reads only its group's latent KV
+            # built for vllm-tpu: no TP inside an expert group of a data-parallel vPod
+            assert not (p["attn"] == "dp" and p["tp"] > 1 and p["ep"] > 1), p
+    # prefill fronts hold all three (the "tp" layout's low-latency end)
+    assert seen["prefill"] == {"dp", "tp", "hybrid"}
+    # decode best fits keep attention data-parallel: each chip reads only its group's latent KV
     dec = db.entries_for("decode", "v5p")
-    assert dec and all(e.feasible and e.attn == "dp" for e in dec)
+    assert dec and all(e.feasible and e.attn in ("dp", "hybrid") for e in dec)
+    assert any(e.attn == "hybrid" for e in dec)
     for e in db.entries:
         validate_parallelism(DS, e.parallelism)
 
@@ -288,9 +296,14 @@ def test_vllm_argv_of_the_tensor_parallel_attention_layout():
     assert "--data-parallel-size" not in a and "--max-num-seqs 8" in a
     a = " ".join(vllm_argv(_spec(tp=2, ep=32, attn="tp"), s))
     assert "--tensor-parallel-size 64" in a and "--data-parallel-size" not in a
-    d = " ".join(vllm_argv(_spec(tp=8, ep=8), s))          # the "dp" layout, as before
+    d = " ".join(vllm_argv(_spec(tp=8, ep=8, attn="hybrid"), s))
     assert "--tensor-parallel-size 8" in d and "--data-parallel-size 8" in d
-    assert "--max-num-seqs 1" in d
+    assert "--max-num-seqs 1" in d and "--enable-expert-parallel" in d
+    # TP inside the expert groups of a data-parallel vPod is not something vLLM launches
+    with pytest.raises(ConfigError, match="not a layout vLLM can launch"):
+        vllm_argv(_spec(tp=8, ep=8), s)
+    d1 = " ".join(vllm_argv(_spec(tp=1, ep=64), s))       # tp 1: the dp layout is the hybrid
+    assert "--tensor-parallel-size 1" in d1 and "--data-parallel-size 64" in d1
     # the spec carries the layout through JSON; a spec written before it is "dp"
     j = _spec(attn="tp").to_json()
     assert VPodSpec.from_json(j).attn == "tp"
@@ -321,3 +334,138 @@ def test_controller_state_written_before_the_layout_column_opens_as_dp(tmp_path)
                         False, "starting", None, 2.0, attn="tp"))
     assert [v.attn for v in st.vpods()] == ["dp", "tp"]
     st.close()
+
+
+# ---- the hybrid layout: what vLLM runs for a data-parallel MoE vPod -----------------------
+
+def test_hybrid_takes_attention_from_dp_and_experts_from_tp():
+    assert str(HYB) == "tp4-pp1-ep8-hybrid" and HYB != Parallelism(4, 1, 8)
+    assert (HYB.attn_tp, HYB.dp, HYB.moe_ep, HYB.moe_tp, HYB.stage_chips) == (4, 8, 32, 1, 32)
+    d, d_tp, d_dp = HYB.shard(DS), TPA.shard(DS), DP.shard(DS)
+    assert (d.heads, d.inter, d.shared_inter) == (d_dp.heads, d_dp.inter, d_dp.shared_inter)
+    assert (d.experts, d.moe_inter) == (d_tp.experts, d_tp.moe_inter) == (8, DS.moe_intermediate)
+    # no new XLA graph: attention at TP 4 and experts at TP 1 EP 32 are the dp layout's
+    dp_keys = {Parallelism(4, 1, 8).fit_key(c) for c, *_ in CostModel.fit_keys(DS, [DP])} | \
+        {Parallelism(1, 1, 32).fit_key(c) for c, *_ in CostModel.fit_keys(DS, [DP])}
+    assert {HYB.fit_key(c) for c, *_ in CostModel.fit_keys(DS, [HYB])} <= dp_keys
+    validate_parallelism(DS, HYB)
+    for bad, msg in ((Parallelism(1, 1, 8, "hybrid"), "it is the dp layout"),
+                     (Parallelism(8, 1, 1, "hybrid"), "tp=1, ep=8 with attn tp"),
+                     (Parallelism(8, 1, 64, "hybrid"), "tp\\*ep=512 exceeds the model's 256")):
+        with pytest.raises(NeuScaleError, match=msg):
+            validate_parallelism(DS, bad)
+    with pytest.raises(NeuScaleError, match="hybrid layout needs a mixture-of-experts"):
+        validate_parallelism(load_model("llama3-8b"), Parallelism(2, 1, 2, "hybrid"))
+
+
+def test_hybrid_all_to_all_spans_the_stage_with_a_tp_slice_of_each_groups_tokens():
+    chip, topo = CAT.get("v5p"), _topo("v5p", "4x4x2")
+    gd = group_dims(topo, chip, HYB)
+    assert math.prod(k for k, _ in gd["tp"]) == 4          # attention all-reduce: TP group
+    assert math.prod(k for k, _ in gd["ep"]) == 32         # dispatch/combine: the whole stage
+    assert gd["ep"] == group_dims(topo, chip, TPA)["ep"]   # laid as the tp layout's stage
+    c = collectives(topo, chip, HYB)
+    B, H, k_top = 64, DS.hidden, DS.experts_per_token
+    _, w = _work(HYB, "decode", [B], [4096])
+    coll = {k: (n, float(np.ravel(m)[0])) for k, n, m in w.stages[0].coll}
+    n_moe = DS.layer_kinds().count("moe")
+    t_grp = B / 8                                          # one DP group's sequences
+    assert coll["a2a"] == (2 * n_moe, pytest.approx(t_grp / 4 * k_top * H * B2 * 31 / 32))
+    # attention, dense MLP and shared expert reduce over the TP group; no expert-TP partials
+    assert coll["ar"] == (2 * DS.layers, pytest.approx(t_grp * H * B2))
+    cm = _chip_model(HYB)
+    ops = {o.name: o for o in cm.moe_block(t_grp, B)}
+    assert ops["dispatch_a2a"].ici_bytes == pytest.approx(
+        c["a2a"].gamma * t_grp / 4 * k_top * H * B2 * 31 / 32)
+    hot_tp = {o.name: o for o in _chip_model(TPA).moe_block(B, B)}["experts_hot_gate_up"]
+    assert ops["experts_hot_gate_up"].sa_flops == pytest.approx(hot_tp.sa_flops)   # whole
+    no_shared = replace(DS, n_shared_experts=0)
+    names = {o.name for o in _chip_model(HYB, arch=no_shared).moe_block(t_grp, B)}
+    assert "moe_allreduce" not in names
+    # the dp layout's replicated dispatch (every TP chip sends its group's tokens) is tp x
+    dp_ops = {o.name: o for o in _chip_model(DP).moe_block(t_grp, B)}
+    assert dp_ops["dispatch_a2a"].ici_bytes > ops["dispatch_a2a"].ici_bytes
+
+
+def test_a_short_prompt_runs_faster_hybrid_than_with_tp_inside_expert_groups():
+    """At batch 1 both layouts run one attention group; the hybrid's dispatch is a 1/tp slice
+    of the prompt where every dp chip sends all of it (v5p, 64 chips, TP 8 x EP 8)."""
+    dp = ChipModel.of(DS, CAT, "v5p", "4x4x4", 8, 1, 8)
+    hy = ChipModel.of(DS, CAT, "v5p", "4x4x4", 8, 1, 8, attn="hybrid")
+    assert hy.step("prefill", 1, 4096).latency_s < 0.7 * dp.step("prefill", 1, 4096).latency_s
+    # same weights and KV per chip
+    assert hy.memory_bytes("decode", 64, 4096) == pytest.approx(dp.memory_bytes("decode", 64, 4096))
+
+
+@pytest.mark.parametrize("phase,seq", [("prefill", 4096), ("decode", 5120)])
+def test_roofline_and_chip_model_rank_hybrid_allocations_alike(phase, seq):
+    dse = DSE(DS, CAT)
+    cands = [Candidate(c, t, p) for c in (CAT.get("v5p"), CAT.get("v6e"))
+             for t, p in ((cd.topo, cd.par) for cd in dse.candidates(c, 64))
+             if p.attn == "hybrid"
+             and dse.cost.max_weights_bytes(p) <= HBM_USABLE_FRACTION * c.hbm_bytes]
+    dse.ensure_fits({c.par for c in cands})
+    B = np.asarray([1, 4, 16, 64, 256])
+    pred_l, pred_e, sim_l, sim_e = [], [], [], []
+    for cd in cands:
+        r = dse.evaluate(cd, phase, B, np.asarray([seq]))
+        cm = ChipModel(DS, cd.chip, cd.topo, cd.par)
+        for i, b in enumerate(B):
+            if not r.feasible[i, 0]:
+                continue
+            s = cm.step(phase, int(b), seq)
+            pred_l.append(r.latency_s[i, 0])
+            pred_e.append(1 / r.energy_j_per_token[i, 0])
+            sim_l.append(s.latency_s)
+            sim_e.append(s.tokens / s.energy_j)
+    assert len(pred_l) >= 30
+    assert spearman(pred_l, sim_l) > 0.97
+    assert spearman(pred_e, sim_e) > 0.97
+
+
+def test_the_serving_stack_decides_which_layouts_are_enumerated():
+    def splits(stack, n=64):
+        dse = DSE(DS, CAT, stack=stack)
+        return {cd.par for cd in dse.candidates(CAT.get("v5p"), n) if cd.topo.num_chips == n}
+    every, vllm = splits("none"), splits("vllm-tpu")
+    assert {p.attn for p in every} == {"dp", "tp", "hybrid"}
+    # vLLM: no TP inside expert groups; every hybrid and tp split, and dp where tp or ep is 1
+    assert vllm == {p for p in every if not (p.attn == "dp" and p.tp > 1 and p.ep > 1)}
+    assert Parallelism(8, 1, 8, "hybrid") in vllm and Parallelism(1, 1, 64) in vllm
+    assert get_stack("sglang-jax").moe_layouts == ("tp", "hybrid")
+    only_dp = parse_stack('{"name": "x", "step_s": 0, "per_seq_s": 0, "request_s": 0, '
+                          '"moe_layouts": ["dp"]}')
+    assert {p.attn for p in splits(only_dp)} == {"dp"}
+    assert only_dp.to_json()["moe_layouts"] == ["dp"]              # JSON round trip
+    for bad in ('[]', '["dp", "dp"]', '["sideways"]', '"dp"'):
+        with pytest.raises(NeuScaleError, match="moe_layouts must be a non-empty list"):
+            parse_stack('{"name": "x", "step_s": 0, "per_seq_s": 0, "request_s": 0, '
+                        f'"moe_layouts": {bad}}}')
+    # dense models see no layouts at all
+    l8 = load_model("llama3-8b")
+    assert {cd.par for cd in DSE(l8, CAT, stack="vllm-tpu").candidates(CAT.get("v5p"), 16)} == \
+        {cd.par for cd in DSE(l8, CAT, stack="none").candidates(CAT.get("v5p"), 16)}
+
+
+@pytest.mark.parametrize("par", [Parallelism(8, 1, 8, "hybrid"), Parallelism(1, 1, 64, "tp"),
+                                 Parallelism(1, 1, 64), Parallelism(64, 1, 1),
+                                 Parallelism(4, 2, 8, "hybrid")])
+def test_the_simulated_engine_reads_the_launch_command_back_as_the_same_layout(par):
+    """backends.engine.vllm_argv writes the vLLM flags of a spec; the simulated engine server
+    (what a test host runs for the same command) reads them back as the same split."""
+    s = EngineSettings(model="deepseek-ai/DeepSeek-V3", served_model_name="deepseek-v3")
+    spec = _spec(tp=par.tp, pp=par.pp, ep=par.ep, attn=par.attn, max_batch=64,
+                 num_chips=par.chips, topology="4x4x4" if par.chips == 64 else "4x4x8")
+    argv = vllm_argv(spec, s)
+    args = engine_parser().parse_args(["--model", "deepseek-v3", *argv[argv.index("--served-model-name"):]])
+    tp, ep, attn, ranks = vllm_layout(DS, args.tp, args.ep, args.dp, args.enable_expert_parallel)
+    got = Parallelism(tp, args.pp, ep, attn)
+    same = Parallelism(1, par.pp, par.tp * par.ep, "tp") if par.attn == "tp" else par
+    assert got == same
+    assert args.max_num_seqs * ranks >= 64
+
+
+def test_the_simulated_engine_refuses_experts_tensor_parallel_over_data_parallel_ranks():
+    with pytest.raises(NeuScaleError, match="--enable-expert-parallel"):
+        vllm_layout(DS, 8, 1, 8, False)
+    assert vllm_layout(load_model("llama3-8b"), 8, 1, None, False) == (8, 1, "dp", 1)
