@@ -7,16 +7,15 @@ static backends (which run them over SSH through :mod:`backends.launcher`) and b
 The mapping of a vPod onto vLLM's flags:
 
 * ``--tensor-parallel-size tp`` and ``--pipeline-parallel-size pp``: the allocation's parallelism;
-* experts (``ep > 1``): ``--enable-expert-parallel`` with ``--data-parallel-size ep`` - vLLM
-  runs attention data-parallel over ep groups of TP tp, as the DSE's ``dp`` layout prices it,
-  but shards the routed experts *whole* over all tp x ep chips (expert parallelism tp x ep),
-  where the ``dp`` layout prices them split over the ep groups with TP tp inside each expert.
-  The same weight bytes per chip and the same expert FLOPs; what differs is the collectives (an
-  all-to-all over tp x ep chips and no expert-TP all-reduce, against an all-to-all over ep
-  groups plus that all-reduce) and the busiest expert group (of tp x ep groups, not ep). The
-  DSE does not enumerate this hybrid layout (README, "Two layouts of a DeepSeek-V3 stage");
-  the ``tp`` layout (``--enable-expert-parallel`` alone) is launched as priced.
-  vLLM's ``--max-num-seqs`` is per data-parallel rank, so it gets ``ceil(max_batch / ep)``;
+* experts (``ep > 1``), each MoE layout exactly as the DSE prices it (README, "Three layouts
+  of a DeepSeek-V3 stage"): ``hybrid`` (and ``dp`` at ``tp = 1``, the same split) -
+  ``--data-parallel-size ep --enable-expert-parallel``: attention data-parallel over ep groups
+  of TP tp, the routed experts whole over all tp x ep chips; ``tp`` -
+  ``--tensor-parallel-size tp*ep --enable-expert-parallel``. ``dp`` with ``tp, ep >= 2`` (TP
+  inside each expert group) is not something vLLM launches (without the flag its experts
+  are TP over all DP x TP ranks instead): a :class:`ConfigError`; the ``vllm-tpu`` stack
+  profile does not enumerate it. vLLM's ``--max-num-seqs`` is per data-parallel rank, so it
+  gets ``ceil(max_batch / ep)``;
 * ``--max-num-seqs`` = the DB's max batch (the batch the allocation was priced and verified at);
 * ``--max-model-len`` = the context the controller gives every engine (a request is routed by
   length, not refused by a short group: it migrates);

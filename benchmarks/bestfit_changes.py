@@ -5,11 +5,14 @@ and the geometric-mean efficiency ratio of the best fits, switch / baseline.
     python benchmarks/bestfit_changes.py --model llama3-70b --metric energy --switch stack
     python benchmarks/bestfit_changes.py --model llama3-70b --switch power
     python benchmarks/bestfit_changes.py --model deepseek-v3 --switch layouts
+    python benchmarks/bestfit_changes.py --model deepseek-v3 --switch hot-expert
 
 Switches: ``stack`` - the default serving-stack profile (vllm-tpu) against the bare chip model
 (``none``); ``power`` - the measured maximum chip power (v4's 192 W) against none at all;
 ``layouts`` - the MoE layouts vllm-tpu can launch (``tp``, ``hybrid``) against what was
-enumerated before the hybrid layout (``dp`` with TP inside expert groups, and ``tp``).
+enumerated before the hybrid layout (``dp`` with TP inside expert groups, and ``tp``);
+``hot-expert`` - the roofline pricing the chip that hosts the hottest expert (as the chip
+model does) against the mean expert load it used before (patched in for the baseline build).
 (The collective overlap and the attention-TP layout are code, not switches: their counts in
 the README come from builds before and after their commits.)
 """
@@ -52,11 +55,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama3-70b")
     ap.add_argument("--metric", choices=["energy", "cost"], default="energy")
-    ap.add_argument("--switch", choices=["stack", "power", "layouts"], default="stack")
+    ap.add_argument("--switch", choices=["stack", "power", "layouts", "hot-expert"],
+                    default="stack")
     args = ap.parse_args()
     try:
         if args.switch == "stack":
             base = build(args.model, args.metric, "none", True)
+            other = build(args.model, args.metric, "vllm-tpu", True)
+        elif args.switch == "hot-expert":
+            import dse.costmodel as cm
+            shipped = cm.busiest_expert_tokens
+            cm.busiest_expert_tokens = lambda experts, mean, stage: experts * mean
+            try:
+                base = build(args.model, args.metric, "vllm-tpu", True)
+            finally:
+                cm.busiest_expert_tokens = shipped
             other = build(args.model, args.metric, "vllm-tpu", True)
         elif args.switch == "layouts":
             from dse.stacks import get_stack

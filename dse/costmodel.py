@@ -42,8 +42,8 @@ from .models import BYTES_PER_PARAM, ModelArch
 # The split of a model over chips and the torus collectives live in their own modules (the chip
 # model uses them too); the names are re-exported here, where callers have always found them.
 from .stacks import StackProfile, get_stack
-from .parallel import (ATTN_LAYOUTS, LAYOUT_SUFFIX, Parallelism, busiest_active_experts,
-                       dispatch_tokens, enumerate_parallelisms,
+from .parallel import (ATTN_LAYOUTS, LAYOUT_SUFFIX, MOE_HOT_FACTOR, Parallelism,
+                       busiest_active_experts, busiest_expert_tokens, dispatch_tokens, enumerate_parallelisms,
                        max_weights_bytes, stage_layout, stage_weights, validate_parallelism,
                        weight_bytes)
 from .torus import (Collective, allgather_cost, allreduce_cost, alltoall_cost, collectives,
@@ -65,7 +65,8 @@ B2 = BYTES_PER_PARAM  # bf16 activations and KV cache
 # Version of the cost model's physics: databases built by an older one are rebuilt (cache keys).
 MODEL_VERSION = 6       # 2: prefill KV in flight; 3: stack time; 4: overlap, measured power;
 #                         5: the tensor-parallel-attention MoE layout (Parallelism.attn);
-#                         6: the hybrid MoE layout, layouts per serving stack
+#                         6: the hybrid MoE layout, layouts per serving stack, the hot
+#                            expert in the roofline
 
 REASONS = ("weights", "kv_cache", "activations")
 BOUNDS = ("compute", "memory", "ici")
@@ -220,7 +221,10 @@ class CostModel:
         L.hbm_bytes["moe_tok"] = W["moe_tok"] * g.n_pass \
             + t_attn * (5 * H + 4 * d.n_experts_total + 2 * d.shared_inter) * B2 * ones
         routed = g.b_mb * g.q_tok * d.top_k            # expert assignments in the stage
-        c = routed / d.n_experts_total                 # tokens per expert (mean)
+        c_mean = routed / d.n_experts_total            # tokens per expert (mean)
+        # per expert on the chip that sets the pace (the hottest expert's): its mean share
+        # unless the hot expert alone is more (fewer experts per chip than MOE_HOT_FACTOR)
+        c = busiest_expert_tokens(d.experts, c_mean, g.b_mb * g.q_tok) / max(d.experts, 1)
         L.flops["experts"] = fe.flops_at(c) * ones
         p_active = 1.0 - np.power(1.0 - d.top_k / d.n_experts_total, g.b_mb * g.q_tok)
         active = busiest_active_experts(d.experts, d.n_experts_total, p_active)
@@ -553,6 +557,7 @@ __all__ = ["CostModel", "Roofline", "roofline", "on_chip", "OnChip", "latency_ef
            "HBM_USABLE_FRACTION", "MODEL_VERSION",
            # re-exported from dse.parallel and dse.torus
            "Parallelism", "ATTN_LAYOUTS", "LAYOUT_SUFFIX", "dispatch_tokens",
+           "busiest_active_experts", "busiest_expert_tokens", "MOE_HOT_FACTOR",
            "validate_parallelism", "enumerate_parallelisms", "stage_layout",
            "weight_bytes", "stage_weights", "max_weights_bytes", "group_dims", "Collective",
            "allreduce_cost", "allgather_cost", "alltoall_cost", "p2p_cost", "collectives",

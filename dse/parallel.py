@@ -203,6 +203,24 @@ def dispatch_tokens(par: Parallelism, t_attn):
     return t_attn / par.tp if par.attn == "hybrid" else t_attn
 
 
+# hottest expert / mean expert load (paper §4, after He et al. 2026): the chip that hosts it
+# sets a MoE layer's pace, in the chip model (sim.chip) and the roofline (busiest_expert_tokens)
+MOE_HOT_FACTOR = 7.0
+
+
+def busiest_expert_tokens(experts: int, mean_tokens, stage_tokens):
+    """Expert tokens (assignments) on the chip that sets a MoE layer's pace, ``experts``
+    routed experts per chip at ``mean_tokens`` each on average: the hottest expert takes
+    ``MOE_HOT_FACTOR`` x the mean (at most every token of the stage) and the chip's other
+    experts the rest of its share, so the chip holds ``experts x mean`` unless the hot expert
+    alone exceeds that - with fewer experts per chip than the factor (EP over 64 or more chips
+    for 256 experts) it does, and that chip works up to 7x its mean share. The chip model
+    prices the same split operator by operator. Floats or arrays."""
+    share = experts * np.asarray(mean_tokens, dtype=float)
+    hot = np.minimum(MOE_HOT_FACTOR * np.asarray(mean_tokens, dtype=float), stage_tokens)
+    return np.maximum(share, hot)
+
+
 def busiest_active_experts(experts: int, n_experts_total: int, p_active):
     """Experts that receive a token on the busiest of the stage's expert groups: the expected
     maximum, over the ``n_experts_total / experts`` groups of ``experts`` each, of the number
@@ -278,7 +296,8 @@ def max_weights_bytes(a: ModelArch, par: Parallelism) -> float:
                for nd, nm, he, hl, _ in stage_layout(a, par.pp))
 
 
-__all__ = ["Parallelism", "ATTN_LAYOUTS", "LAYOUT_SUFFIX", "dispatch_tokens", "busiest_active_experts",
+__all__ = ["Parallelism", "ATTN_LAYOUTS", "LAYOUT_SUFFIX", "dispatch_tokens",
+           "busiest_active_experts", "busiest_expert_tokens", "MOE_HOT_FACTOR",
            "validate_parallelism",
            "enumerate_parallelisms", "stage_layout",
            "weight_bytes", "stage_weights", "max_weights_bytes"]

@@ -39,7 +39,7 @@ from typing import Any
 from dse.catalog import Catalog, ChipSpec
 from dse.errors import NeuScaleError
 from dse.models import ModelArch
-from dse.parallel import (Parallelism, busiest_active_experts, dispatch_tokens,
+from dse.parallel import (MOE_HOT_FACTOR, Parallelism, busiest_active_experts, dispatch_tokens,
                           max_weights_bytes, stage_layout,
                           validate_parallelism)
 from dse.stacks import StackProfile, get_stack
@@ -50,7 +50,6 @@ from .hardware import (COLLECTIVE_LAUNCH_S, HBM_OP_LATENCY_S, KERNEL_LAUNCH_S, O
                        Hardware, hardware)
 
 B2 = 2      # bf16
-MOE_HOT_FACTOR = 7.0   # hottest expert / mean expert load (paper §4, after He et al. 2026)
 
 
 @dataclass

@@ -457,7 +457,8 @@ def test_the_simulated_engine_reads_the_launch_command_back_as_the_same_layout(p
     spec = _spec(tp=par.tp, pp=par.pp, ep=par.ep, attn=par.attn, max_batch=64,
                  num_chips=par.chips, topology="4x4x4" if par.chips == 64 else "4x4x8")
     argv = vllm_argv(spec, s)
-    args = engine_parser().parse_args(["--model", "deepseek-v3", *argv[argv.index("--served-model-name"):]])
+    flags = argv[argv.index("--served-model-name"):]
+    args = engine_parser().parse_args(["--model", "deepseek-v3", *flags])
     tp, ep, attn, ranks = vllm_layout(DS, args.tp, args.ep, args.dp, args.enable_expert_parallel)
     got = Parallelism(tp, args.pp, ep, attn)
     same = Parallelism(1, par.pp, par.tp * par.ep, "tp") if par.attn == "tp" else par
@@ -469,3 +470,34 @@ def test_the_simulated_engine_refuses_experts_tensor_parallel_over_data_parallel
     with pytest.raises(NeuScaleError, match="--enable-expert-parallel"):
         vllm_layout(DS, 8, 1, 8, False)
     assert vllm_layout(load_model("llama3-8b"), 8, 1, None, False) == (8, 1, "dp", 1)
+
+
+@pytest.mark.parametrize("par,shape", [(Parallelism(1, 1, 256), "8x8x4"),
+                                       (Parallelism(2, 1, 128, "hybrid"), "8x8x4"),
+                                       (Parallelism(4, 1, 8, "hybrid"), "4x4x2")])
+def test_the_roofline_prices_the_chip_that_hosts_the_hottest_expert(par, shape):
+    """Both models let the chip with the hottest expert (7x the mean load) set a MoE layer's
+    pace. With 1-2 experts per chip that chip does up to 7x its mean share (the roofline used
+    to price the mean: 2.3x faster than the chip model at large batches); with 8 per chip its
+    other experts take the rest of its share and the mean holds."""
+    from dse.parallel import MOE_HOT_FACTOR, busiest_expert_tokens
+    B, S = 256, 4096
+    t_stage = B * S
+    mean = t_stage * DS.experts_per_token / DS.n_routed_experts
+    e = par.shard(DS).experts
+    busy = float(busiest_expert_tokens(e, mean, t_stage))
+    assert busy == pytest.approx(max(e, MOE_HOT_FACTOR) * mean)
+    # the chip model's expert operators hold the same tokens (the rest at >= 1 token each)
+    cm = _chip_model(par, shape=shape)
+    ops = cm.moe_block(t_stage / par.dp, t_stage)
+    M = {o.name: o.sa_flops / (2 * DS.hidden * 2 * DS.moe_intermediate) for o in ops
+         if o.name.startswith("experts_") and o.name.endswith("_gate_up")}
+    assert sum(M.values()) == pytest.approx(busy, rel=0.02)
+    # and the two models' step times stay close where they were 2.3x apart
+    dse = DSE(DS, CAT)
+    dse.ensure_fits([par])
+    cd = Candidate(CAT.get("v5p"), _topo("v5p", shape), par)
+    r = dse.evaluate(cd, "prefill", np.asarray([B]), np.asarray([S]))
+    assert r.feasible[0, 0]
+    ratio = cm.step("prefill", B, S).latency_s / r.latency_s[0, 0]
+    assert 0.8 < ratio < 1.5, ratio
