@@ -110,7 +110,8 @@ class GroupSpec:
 
     @classmethod
     def of(cls, e: Entry, prefix: str = "") -> "GroupSpec":
-        layout = "tpattn" if e.attn == "tp" else ""     # "dp" ids are unchanged
+        # "dp" ids are unchanged; the other layouts are other allocations of the same split
+        layout = {"tp": "tpattn", "hybrid": "hybrid"}.get(e.attn, "")
         return cls(f"{prefix}{e.chip}:{e.topology}/tp{e.tp}pp{e.pp}ep{e.ep}{layout}"
                    f"/b{e.max_batch}", e)
 

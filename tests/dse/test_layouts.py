@@ -11,8 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from backends.base import VPodSpec
-from backends.base import ConfigError
+from backends.base import ConfigError, VPodSpec
 from backends.engine import EngineSettings, vllm_argv
 from backends.sim.engine_server import _parser as engine_parser, vllm_layout
 from dse import BuildOptions, NeuScaleError, build, default_catalog, load_model
@@ -501,3 +500,15 @@ def test_the_roofline_prices_the_chip_that_hosts_the_hottest_expert(par, shape):
     assert r.feasible[0, 0]
     ratio = cm.step("prefill", B, S).latency_s / r.latency_s[0, 0]
     assert 0.8 < ratio < 1.5, ratio
+
+
+def test_group_ids_tell_the_three_layouts_of_one_split_apart(ds_db):
+    """A database built for a stack that runs every layout (``none``) can hold the same split
+    under two layouts; the policy keys groups by id, so the ids must differ."""
+    from orchestrator.policy import GroupSpec
+    db, _ = ds_db
+    e = next(x for x in db.entries if x.attn == "hybrid")
+    ids = {a: GroupSpec.of(replace(e, attn=a)).id for a in ("dp", "tp", "hybrid")}
+    assert len(set(ids.values())) == 3
+    assert ids["dp"] == f"{e.chip}:{e.topology}/tp{e.tp}pp{e.pp}ep{e.ep}/b{e.max_batch}"
+    assert ids["hybrid"].endswith(f"ep{e.ep}hybrid/b{e.max_batch}")
