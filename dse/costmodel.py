@@ -43,9 +43,9 @@ from .models import BYTES_PER_PARAM, ModelArch
 # model uses them too); the names are re-exported here, where callers have always found them.
 from .stacks import StackProfile, get_stack
 from .parallel import (ATTN_LAYOUTS, LAYOUT_SUFFIX, MOE_HOT_FACTOR, Parallelism,
-                       busiest_active_experts, busiest_expert_tokens, dispatch_tokens, enumerate_parallelisms,
-                       max_weights_bytes, stage_layout, stage_weights, validate_parallelism,
-                       weight_bytes)
+                       busiest_active_experts, busiest_expert_tokens, dispatch_tokens,
+                       enumerate_parallelisms, max_weights_bytes, stage_layout, stage_weights,
+                       validate_parallelism, weight_bytes)
 from .torus import (Collective, allgather_cost, allreduce_cost, alltoall_cost, collectives,
                     group_dims, p2p_cost, stack_collectives)
 from .vpod import ICITopology

@@ -143,6 +143,8 @@ def add_parser(sub) -> None:
 
 BENCH_IN = ["model", "chip", "topology", "tp", "pp", "ep", "stack", "max_num_seqs",
             "max_batched_tokens", "workload", "requests", "input_tokens", "output_tokens"]
+# how the bench's summary line names a MoE layout (the "dp" one goes unsaid)
+LAYOUT_NOTE = {"tp": " (attention TP over tp*ep)", "hybrid": " (DP attention, experts over tp*ep)"}
 BENCH_OPTIONAL = ["num_chips", "chunked_prefill", "trace", "seed", "attn"]
 
 
@@ -171,7 +173,7 @@ def cmd_sim_bench(args: argparse.Namespace) -> int:
     def ms(x):
         return "-" if x is None else f"{x * 1e3:.2f} ms"
     print(f"{r['model']} on {r['chip']}:{r['topology']} tp={r['tp']} pp={r['pp']} ep={r['ep']}"
-          + {"tp": " (attention TP over tp*ep)", "hybrid": " (DP attention, experts over tp*ep)"}.get(r["attn"], "") + ", "
+          + LAYOUT_NOTE.get(r["attn"], "") + ", "
           f"stack {r['stack']}, max_num_seqs {r['max_num_seqs']}, max_batched_tokens "
           f"{r['max_batched_tokens']}{'' if r['chunked_prefill'] else ', no chunked prefill'}")
     print(f"workload {r['workload']}, {r['requests']} requests, input {r['input_tokens']}, "
