@@ -111,12 +111,11 @@ class LoadAwarePolicy(Policy):
         self._need: dict[str, int] = {}        # per group: vPods its last epoch's peak needs
         self._priced_at = getattr(pricer, "version", 0)   # a calibrated pricer's factors
         self._inherited: dict[str, int] = {}   # per group: capacity taken over this plan
-        self._giving: set[str] = set()         # groups that hand buckets to another this plan
 
     def plan(self, obs: Observation, state: PolicyState | None = None) -> Plan:
         """:meth:`Policy.plan`, after dropping prices cached before the live correction
         factors last moved (:class:`orchestrator.pricing.CalibratedPricer`)."""
-        self._inherited, self._giving = {}, set()
+        self._inherited = {}
         v = getattr(self.pricer, "version", 0)
         if v != self._priced_at:
             self._priced_at = v
@@ -203,13 +202,7 @@ class LoadAwarePolicy(Policy):
         self._need[spec.id] = self._n_pod(spec.id, float(s[-n_epoch:].max()), T)
         moved = self._inherited.get(spec.id, 0)
         if not moved:
-            want, why = super()._size(spec, s, T, gs, current, now_s)
-            if spec.id in self._giving and want < current:
-                # make-before-break: the buckets it hands over stay on it until the group
-                # taking them is up (router.routing.make_before_break), so it keeps the
-                # capacity that serves them this epoch and sizes for what it keeps next
-                return current, why + "; held: its buckets move once the group taking them is up"
-            return want, why
+            return super()._size(spec, s, T, gs, current, now_s)
         # the growth limit counts from its own vPods plus the capacity it takes over
         want, why = super()._size(spec, s, T, gs, current + moved, now_s)
         need = self._n_pod(spec.id, max(self._recent_peak(s), gs.ewma_peak), T)
@@ -287,8 +280,7 @@ class LoadAwarePolicy(Policy):
         growing from its own few vPods: the doubling limit counts from the capacity that
         served those buckets (without it, Llama3.1-405B at the Azure day's 17:00 peak moved
         the buckets of 13 vPods into a group of 1, capped it at 2, and the queue that built
-        up ran the emergency rule to 897 vPods). Records the groups that hand buckets over
-        (``_giving``): :meth:`_size` does not scale them in in the same plan."""
+        up ran the emergency rule to 897 vPods)."""
         col = {i: k for k, i in enumerate(buckets)}
         peak = window.max(axis=0) if window.size else np.zeros(len(buckets))
         cap: dict[str, float] = {}
@@ -309,7 +301,6 @@ class LoadAwarePolicy(Policy):
                 here = float(sum(peak[col[i]] for i in olds if i in seg))
                 if tot > 0 and here > 0:
                     moved += cap[h] * here / tot
-                    self._giving.add(h)
             t = spec.entry.throughput_tok_per_s
             if moved > 0 and t > 0:
                 out[spec.id] = math.ceil(moved / t - 1e-9)

@@ -449,37 +449,6 @@ def test_a_group_that_takes_over_buckets_grows_from_the_capacity_that_served_the
     assert pol._size(g, np.full(N, need_rate), T, GroupState(), 1, 0.0)[0] == 2
 
 
-def test_a_group_handing_buckets_over_is_not_scaled_in_in_the_same_plan(db, pricer):
-    """Make-before-break: the buckets a re-choice moves stay on the group that served them
-    until the group taking them is up, so that group keeps its vPods in the plan of the
-    re-choice (DeepSeek-V3 decode at 4x the Azure window: scaled in from 7 to 4 in that epoch,
-    20-35 % of answers missed the TPOT SLO for three minutes); the plan after sizes it for
-    what it keeps."""
-    from orchestrator.policy import GroupState, PolicyState
-    small, big = db.entry_at("prefill", 10), db.entry_at("prefill", 20)
-    g, h = GroupSpec.of(big), GroupSpec.of(small, prefix="old-")
-    pol = LoadAwarePolicy(db, "prefill", pricer=pricer)
-    T = h.entry.throughput_tok_per_s
-    inv = [VPodRecord(f"h{k}", h.id, small.chip, small.topology, small.num_chips,
-                      throughput_tok_per_s=T) for k in range(8)]
-    state = PolicyState(chosen={10: h.id, 11: h.id, 20: h.id})
-    window = np.array([[5.0, 5.0, 1.0]] * 3)
-    obs = Observation(0.0, {}, inventory=inv)
-    # bucket 20 moves to g; h keeps 10 and 11
-    pol._capacity_moved([([10, 11], h, None), ([20], g, None)], window, [10, 11, 20], obs,
-                        state)
-    assert pol._giving == {h.id}
-    light = np.full(N, 0.5 * T)                           # what h keeps: one vPod's worth
-    want, why = pol._size(h, light, T, GroupState(), 8, 0.0)
-    assert want == 8 and "held" in why
-    pol._giving = set()                                   # the next plan: sized as always
-    assert pol._size(h, light, T, GroupState(), 8, 0.0)[0] < 8
-    # a group that only takes buckets over is not held
-    pol._giving = set()
-    pol._capacity_moved([([10, 11, 20], g, None)], window, [10, 11, 20], obs, state)
-    assert pol._giving == {h.id} and g.id not in pol._giving
-
-
 def test_a_queue_two_epochs_running_frees_the_choice(db, pricer):
     """A burst's first epoch scales out what runs; if the queue is still beyond the slots the
     next epoch, it was no burst, and the cheapest allocation at the load may replace it
