@@ -36,6 +36,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from dse.parallel import Parallelism, runs_on
+from dse.stacks import get_stack
+
 from .base import ConfigError, VPodSpec
 
 # vLLM reads its API key from this variable as well as from --api-key (vLLM docs, "OpenAI-
@@ -184,7 +187,8 @@ def vllm_argv(spec: VPodSpec, settings: EngineSettings, *, multi_host: bool = Fa
     # all of them (vLLM's EP group spans DP x TP ranks). vLLM has no TP inside an expert
     # group of a data-parallel vPod, so the "dp" layout with tp, ep >= 2 is refused (the
     # vllm-tpu stack profile does not enumerate it); with tp = 1 it is the hybrid's launch.
-    if spec.attn == "dp" and spec.tp > 1 and spec.ep > 1:
+    if not runs_on(Parallelism(spec.tp, spec.pp, spec.ep, spec.attn),
+                   get_stack("vllm-tpu").moe_layouts):
         raise ConfigError(f"vPod {spec.id}: the dp MoE layout with tp={spec.tp} and ep={spec.ep} "
                           "(TP inside each expert group) is not a layout vLLM can launch; "
                           "rebuild the best-fit database with the vllm-tpu stack profile, "

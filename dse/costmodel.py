@@ -44,7 +44,7 @@ from .models import BYTES_PER_PARAM, ModelArch
 from .stacks import StackProfile, get_stack
 from .parallel import (ATTN_LAYOUTS, LAYOUT_SUFFIX, MOE_HOT_FACTOR, Parallelism,
                        busiest_active_experts, busiest_expert_tokens, dispatch_tokens,
-                       enumerate_parallelisms, max_weights_bytes, stage_layout, stage_weights,
+                       enumerate_parallelisms, max_weights_bytes, runs_on, stage_layout, stage_weights,
                        validate_parallelism, weight_bytes)
 from .torus import (Collective, allgather_cost, allreduce_cost, alltoall_cost, collectives,
                     group_dims, p2p_cost, stack_collectives)
@@ -558,7 +558,7 @@ __all__ = ["CostModel", "Roofline", "roofline", "on_chip", "OnChip", "latency_ef
            # re-exported from dse.parallel and dse.torus
            "Parallelism", "ATTN_LAYOUTS", "LAYOUT_SUFFIX", "dispatch_tokens",
            "busiest_active_experts", "busiest_expert_tokens", "MOE_HOT_FACTOR",
-           "validate_parallelism", "enumerate_parallelisms", "stage_layout",
+           "validate_parallelism", "enumerate_parallelisms", "runs_on", "stage_layout",
            "weight_bytes", "stage_weights", "max_weights_bytes", "group_dims", "Collective",
            "allreduce_cost", "allgather_cost", "alltoall_cost", "p2p_cost", "collectives",
            "stack_collectives"]

@@ -152,6 +152,12 @@ def validate_parallelism(arch: ModelArch, par: Parallelism) -> None:
         raise NeuScaleError(f"invalid parallelism {par} for {arch.name}: " + "; ".join(probs))
 
 
+def runs_on(par: Parallelism, layouts: "tuple[str, ...] | list[str]") -> bool:
+    """Whether a stack that launches ``layouts`` can run ``par``: its layout is one of them,
+    or it is a ``"dp"`` split with ``tp = 1`` or ``ep = 1``, the same under every layout."""
+    return par.attn in layouts or (par.attn == "dp" and (par.tp == 1 or par.ep == 1))
+
+
 def enumerate_parallelisms(arch: ModelArch, n_chips: int,
                            layouts: "tuple[str, ...] | list[str]" = ATTN_LAYOUTS
                            ) -> list[Parallelism]:
@@ -172,10 +178,10 @@ def enumerate_parallelisms(arch: ModelArch, n_chips: int,
         while tp * ep <= n_chips and (ep == 1 or (arch.is_moe and ep <= arch.n_routed_experts)):
             pp = n_chips // (tp * ep)
             if tp * ep * pp == n_chips and pp <= arch.layers:
-                split = tp > 1 and ep > 1      # where the layouts differ
-                if not split or "dp" in layouts:
+                if runs_on(Parallelism(tp, pp, ep), layouts):
                     out.append(Parallelism(tp, pp, ep))
-                if split and "hybrid" in layouts and tp * ep <= arch.n_routed_experts:
+                if tp > 1 and ep > 1 and "hybrid" in layouts \
+                        and tp * ep <= arch.n_routed_experts:
                     out.append(Parallelism(tp, pp, ep, "hybrid"))
             ep *= 2
             if not arch.is_moe:
@@ -299,5 +305,5 @@ def max_weights_bytes(a: ModelArch, par: Parallelism) -> float:
 __all__ = ["Parallelism", "ATTN_LAYOUTS", "LAYOUT_SUFFIX", "dispatch_tokens",
            "busiest_active_experts", "busiest_expert_tokens", "MOE_HOT_FACTOR",
            "validate_parallelism",
-           "enumerate_parallelisms", "stage_layout",
+           "enumerate_parallelisms", "runs_on", "stage_layout",
            "weight_bytes", "stage_weights", "max_weights_bytes"]

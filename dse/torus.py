@@ -50,14 +50,14 @@ def group_dims(topo: ICITopology, chip: ChipSpec, par: Parallelism
 
     # tensor-parallel attention: the TP group (all-reduces) spans the whole stage, and the
     # experts' all-to-all runs over the same chips
-    stage = assign((("tp", par.stage_chips), ("pp", par.pp)))
     if par.attn == "tp":
+        stage = assign((("tp", par.stage_chips), ("pp", par.pp)))
         return {"tp": stage["tp"], "ep": list(stage["tp"]), "pp": stage["pp"]}
     out = assign((("tp", par.tp), ("ep", par.ep), ("pp", par.pp)))
     if par.attn == "hybrid":
         # the same chips as the tp and ep groups together (both fill the largest dimensions
         # first), laid as one group: a dimension they share is one ring, not two
-        out["ep"] = stage["tp"]
+        out["ep"] = assign((("tp", par.stage_chips), ("pp", par.pp)))["tp"]
     return out
 
 
