@@ -7,7 +7,8 @@ the cluster simulator fills; every ``epoch_s`` - and at once on an emergency (a 
 beyond its batch slots) or at a cold start (traffic with no group yet) - it runs the same
 :class:`~orchestrator.policy.Policy` per phase and actuates the plan through a backend:
 creations and deletions with bounded concurrency and retries, fail-over on quota errors,
-make-before-break routing (:func:`router.routing.make_before_break`), draining before deleting,
+make-before-break routing (:func:`router.routing.make_before_break`; a group's scale-in waits
+while it still serves buckets handed to a group not up yet), draining before deleting,
 health checks that replace dead vPods. Its state lives in SQLite (:mod:`orchestrator.state`),
 so a controller killed at any instant reconciles with the backend on restart.
 
@@ -36,12 +37,15 @@ from dse.db import BestFitDB, Entry
 from dse.parallel import LAYOUT_SUFFIX
 from dse.vpod import VPodState
 from router.gateway import Endpoint, Gateway
-from router.routing import RoutingTable, make_before_break
+from router.routing import RoutingTable, handing_over, make_before_break
 
 from .policy import ActionKind, Plan, Policy, PolicyConfig, PolicyState, VPodRecord
 from .registry import PHASES
 from .state import StateStore, VPodRow
 from .window import ObservationWindow, available_chips, chips_in_use
+
+# a deleted vPod's reason while its group still hands buckets over (router.routing.handing_over)
+HELD = "held until its group's hand-off is done"
 
 log = logging.getLogger("neuscale.controller")
 
@@ -345,7 +349,6 @@ class Controller:
 
     # ---- act ----------------------------------------------------------------------------------
     def _act(self, phase: str, plan: Plan) -> None:
-        planned_groups = set(plan.routing.groups)
         for a in plan.actions:
             if a.kind == ActionKind.CREATE:
                 e = self._entry(phase, a.chip, a.topology) if a.failover \
@@ -353,14 +356,13 @@ class Controller:
                 self._create(phase, a.group, e, a.failover, a.reason)
             elif a.kind == ActionKind.DELETE and a.vpod_id in self.vpods:
                 v = self.vpods[a.vpod_id]
-                if v.grp in planned_groups or v.state != VPodState.READY:
+                if v.state != VPodState.READY:
                     self._start_drain(v, a.reason)
                     continue
-                # an evicted group's vPod drains once nothing routes to it (_publish)
-                held = "evicted: drains once no bucket routes to its group"
-                if v.reason == held:
+                # make before break: it drains once its group hands no bucket over (_publish)
+                if v.reason.startswith(HELD):
                     continue                  # said before: the plan repeats it each epoch
-                v.reason = held
+                v.reason = f"{HELD} ({a.reason})"
             elif a.kind == ActionKind.REPLACE and a.vpod_id in self.vpods:
                 e = plan.groups[a.group].entry
                 self._create(phase, a.group, e, False, a.reason, replaces=a.vpod_id)
@@ -491,7 +493,8 @@ class Controller:
     # ---- routing ------------------------------------------------------------------------------
     def _publish(self) -> None:
         """Hand the gateway its routing tables (make-before-break) and the ready vPods per
-        group; vPods of evicted groups drain once no bucket routes to them."""
+        group; a deleted vPod (and every vPod of an evicted group) drains once its group hands
+        no bucket over (:func:`router.routing.handing_over`)."""
         ready = {}
         starting: set[tuple[str, str]] = set()
         for v in self.vpods.values():
@@ -505,12 +508,15 @@ class Controller:
             self.routing[ph] = None if planned is None else make_before_break(
                 planned, self.routing[ph],
                 lambda g, ph=ph: (ph, g) in ready and (ph, g) not in starting)
-        used = {(ph, g) for ph, t in self.routing.items() if t is not None for g in t.groups}
+        giving = {(ph, g) for ph, t in self.routing.items()
+                  for g in handing_over(t, self.planned[ph])}
         for v in list(self.vpods.values()):
             planned = self.planned[v.phase]
-            if v.state == VPodState.READY and (planned is None or v.grp not in planned.groups) \
-                    and (v.phase, v.grp) not in used:
-                self._start_drain(v, "evicted group: nothing routes to it")
+            if v.state == VPodState.READY and (planned is None or v.grp not in planned.groups
+                                               or v.reason.startswith(HELD)) \
+                    and (v.phase, v.grp) not in giving:
+                self._start_drain(v, v.reason if v.reason.startswith(HELD)
+                                  else "evicted group: nothing routes to it")
                 return                                  # _start_drain publishes again
         self.gateway.set_targets({ph: t for ph, t in self.routing.items() if t is not None},
                                  ready, starting)

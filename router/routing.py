@@ -99,6 +99,17 @@ def least_loaded(vpods: Iterable[T], load: Callable[[T], float]) -> T:
         raise NeuScaleError("no vPod in the group") from None
 
 
+def handing_over(routing: RoutingTable | None, planned: RoutingTable | None) -> set[Hashable]:
+    """Groups that ``routing`` (the table in force, :func:`make_before_break`'s) still sends a
+    bucket that ``planned`` gives to another group: hand-offs waiting for the taker to be up.
+    The drivers hold a scale-in of such a group until its hand-off is done, so a group that a
+    re-choice takes buckets from keeps the capacity serving them until the new group can (make
+    before break for the vPods, as :func:`make_before_break` is for the buckets)."""
+    if routing is None or planned is None or routing.edges != planned.edges:
+        return set()
+    return {g for g, p in zip(routing.groups, planned.groups) if g != p}
+
+
 def crossed_bucket(table: RoutingTable, old_length: int, new_length: int) -> bool:
     """True when a growing sequence enters a new bucket: time to re-predict its output."""
     return table.bucket(new_length) != table.bucket(old_length)

@@ -35,8 +35,8 @@ from dse.db import BestFitDB
 from dse.errors import NeuScaleError
 from dse.models import ModelArch
 from dse.vpod import VPodState
-from router.routing import (MIGRATE_FACTOR, RoutingTable, bucket_indices, least_loaded,
-                            make_before_break, should_migrate)
+from router.routing import (MIGRATE_FACTOR, RoutingTable, bucket_indices, handing_over,
+                            least_loaded, make_before_break, should_migrate)
 from sim.lifecycle import STATS_QUERY_S
 from sim.stepcost import StepCostTable
 from sim.vpod import TableCache, engine_batch
@@ -249,7 +249,7 @@ class ClusterSim:
         self._states = {ph: PolicyState() for ph in PHASES}
         self._routing: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
         self._planned: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
-        self._held: dict[str, float] = {}     # vPods of evicted groups still routed to
+        self._held: dict[str, float] = {}     # deleted vPods of groups still handing over
         self._cands: list = []
         self._router_q: dict[tuple[str, str], list] = {}
         self._unrouted: list[int] = []
@@ -553,14 +553,13 @@ class ClusterSim:
     def _act(self, phase: str, plan: Plan, at_s: float) -> None:
         """Carry out a plan's vPod actions from ``at_s`` on."""
         fleet = self.fleet
-        planned_groups = set(plan.routing.groups)
         for a in plan.actions:
             if a.kind == ActionKind.CREATE:
                 self._create(phase, a, at_s, plan.groups[a.group].entry)
             elif a.kind == ActionKind.DELETE and a.vpod_id in fleet.vpods:
                 v = fleet.vpods[a.vpod_id]
-                if v.group not in planned_groups:     # an evicted group: make before break
-                    self._held.setdefault(v.id, at_s)
+                if v.state == VPodState.READY:    # make before break: _route_tables releases
+                    self._held.setdefault(v.id, at_s)   # it once its group hands nothing over
                 else:
                     fleet.release(v, at_s)
             elif a.kind == ActionKind.REPLACE and a.vpod_id in fleet.vpods:
@@ -586,7 +585,8 @@ class ClusterSim:
         """The tables the router uses: each phase's planned table, with buckets whose new
         group is not up yet (no ready vPod, or some still starting) left on their old group
         (router.routing.make_before_break);
-        vPods of evicted groups are released once no bucket routes to them."""
+        a deleted vPod is released once its group hands no bucket over (evicted groups once
+        nothing routes to them; router.routing.handing_over)."""
         ready_by = self.fleet.ready_by
         starting = self.fleet.starting_groups() if self.cfg.make_before_break else set()
         for ph, planned in self._planned.items():
@@ -601,11 +601,11 @@ class ClusterSim:
                 if ph == "decode":     # mis-predicted requests pick among these (by length)
                     self._cands = sorted((eff.best_len.get(g, 0), g) for g in set(eff.groups))
         if self._held:
-            used = {(ph, g) for ph, t in self._routing.items() if t is not None
-                    for g in set(t.groups)}
+            giving = {(ph, g) for ph, t in self._routing.items()
+                      for g in handing_over(t, self._planned.get(ph))}
             for vid in list(self._held):
                 v = self.fleet.vpods[vid]
-                if (v.phase, v.group) not in used or \
+                if (v.phase, v.group) not in giving or \
                         v.state not in (VPodState.STARTING, VPodState.READY):
                     self.fleet.release(v, max(self._held.pop(vid), now))
 
