@@ -355,3 +355,47 @@ def test_buckets_move_to_a_new_group_only_once_all_its_vpods_are_up(db):
     fleet.index_ready()
     sim._route_tables(10.0)
     assert set(sim._routing["prefill"].groups) == {"new"}       # all up: moved
+
+
+def test_a_scale_in_waits_for_the_hand_off_of_its_group(db):
+    """A plan gives the short buckets of a running group to a new group and scales the old
+    one 3 -> 1 in the same epoch (DeepSeek-V3 decode at 4x the Azure window did 7 -> 4 and
+    missed a third of its TPOTs for minutes): the deleted vPods keep serving until the new
+    group is up, then drain."""
+    from orchestrator.policy import Action, ActionKind, Plan, PolicyState
+    from router.routing import RoutingTable
+    arr, inp, out = trace()
+    sim = ClusterSim(ARCH, db, make_policies("neuscale", db, PolicyConfig(), inp, out),
+                     ClusterConfig())
+    sim._start(None)
+    fleet = sim.fleet
+    e = db.entry_at("decode", len(db.edges) - 1)
+    old = [fleet.create("decode", "old", e.chip, e.topology, e.parallelism, e.max_batch,
+                        e.throughput_tok_per_s, 0.0) for _ in range(3)]
+    fleet.advance(3600.0)
+    new = fleet.create("decode", "new", e.chip, e.topology, e.parallelism, e.max_batch,
+                       e.throughput_tok_per_s, 3600.0)
+    fleet.advance(3610.0)
+    fleet.index_ready()
+    last = len(db.edges) - 1
+    sim._routing["decode"] = RoutingTable.build({last: "old"}, db.edges)
+    planned = RoutingTable.build({0: "new", last: "old"}, db.edges)
+    sim._planned["decode"] = planned
+    plan = Plan([Action(ActionKind.DELETE, "old", "scale in", vpod_id=v.id) for v in old[1:]],
+                planned, PolicyState(), {}, {"old": 1, "new": 1}, {})
+    sim._act("decode", plan, 3610.0)
+    sim._route_tables(3610.0)
+    assert new.ready_s > 3620.0
+    assert sim._routing["decode"].groups[0] == "old"           # the bucket waits on "old"
+    assert all(v.delete_at_s is None for v in old)            # and so do its vPods
+    t = new.ready_s + 10.0
+    fleet.advance(t)
+    fleet.index_ready()
+    sim._route_tables(t)
+    assert sim._routing["decode"].groups == planned.groups
+    assert [v.delete_at_s for v in old] == [None, t, t]
+    # without a hand-off in progress a scale-in takes effect at once
+    sim._act("decode", Plan([Action(ActionKind.DELETE, "old", "scale in", vpod_id=old[0].id)],
+                            planned, PolicyState(), {}, {"new": 1}, {}), t + 5)
+    sim._route_tables(t)
+    assert old[0].delete_at_s == t + 5

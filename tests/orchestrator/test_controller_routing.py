@@ -34,3 +34,34 @@ def test_the_gateway_keeps_a_bucket_on_its_old_group_until_the_new_ones_vpods_ar
         return held, set(c.routing["decode"].groups)
     held, moved = asyncio.run(go())
     assert held == {"old"} and moved == {"new"}
+
+
+def test_a_scale_in_drains_only_once_its_groups_hand_off_is_done(tmp_path, llama8b_db):
+    """The plan moves the short buckets of a running group to a group still starting and
+    deletes two of the old group's three vPods: they keep serving (and the gateway keeps them)
+    until the new group is up, then drain; the third, not deleted, stays."""
+    from orchestrator.controller import HELD
+    from orchestrator.policy import Action, ActionKind, Plan, PolicyState
+    db = llama8b_db[0]
+
+    async def go():
+        gw = Gateway("llama3-8b", db.edges, 8192)
+        c = Controller(db, None, gw, StateStore(tmp_path / "state.db"))
+        last = len(db.edges) - 1
+        c.vpods = {v.id: v for v in [row(f"old{k}", "old", "ready") for k in range(3)]
+                   + [row("new0", "new", "starting")]}
+        c.routing["decode"] = RoutingTable.build({last: "old"}, db.edges)
+        c.planned["decode"] = planned = RoutingTable.build({0: "new", last: "old"}, db.edges)
+        c._act("decode", Plan([Action(ActionKind.DELETE, "old", "scale in", vpod_id=f"old{k}")
+                               for k in (1, 2)], planned, PolicyState(), {}, {}, {}))
+        c._publish()
+        during = {k: (v.state, v.reason) for k, v in c.vpods.items()}
+        c.vpods["new0"] = row("new0", "new", "ready")
+        c._publish()
+        return during, {k: v.state for k, v in c.vpods.items()}, c.routing["decode"].groups
+    during, after, groups = asyncio.run(go())
+    assert all(s == "ready" for s, _ in during.values() if s != "starting")
+    assert during["old1"][1].startswith(HELD) and during["old2"][1].startswith(HELD)
+    assert not during["old0"][1].startswith(HELD)
+    assert after["old1"] == after["old2"] == "draining" and after["old0"] == "ready"
+    assert groups[0] == "new" and groups[-1] == "old"

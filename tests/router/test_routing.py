@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from dse import SEQ_BUCKETS, NeuScaleError
-from router.routing import (RoutingTable, bucket_indices, crossed_bucket, least_loaded,
-                            should_migrate)
+from router.routing import (RoutingTable, bucket_indices, crossed_bucket, handing_over,
+                            least_loaded, make_before_break, should_migrate)
 
 
 def table():
@@ -51,7 +51,6 @@ def test_migrate_past_twice_the_best_fit_length():
 
 
 def test_make_before_break_keeps_buckets_on_running_groups_until_the_new_one_is_ready():
-    from router.routing import make_before_break
     edges = (128, 256, 512, 1024)
     old = RoutingTable.build({0: "a", 1: "a", 2: "b", 3: "b"}, edges)   # a <= 256, b <= 1024
     new = RoutingTable.build({0: "c", 1: "b", 2: "b", 3: "d"}, edges)   # c, d new; a merged
@@ -69,3 +68,24 @@ def test_make_before_break_keeps_buckets_on_running_groups_until_the_new_one_is_
     grown = RoutingTable.build({0: "a", 3: "d"}, edges)
     eff = make_before_break(grown, short, {"a"}.__contains__)
     assert eff.groups[3] == "d"
+
+
+def test_handing_over_names_groups_that_still_serve_buckets_planned_elsewhere():
+    """A re-choice gives the short bucket to a new group that is still starting: the old group
+    keeps it (make_before_break) and is named as handing over until the new one is up; an
+    evicted group is handing over while it still carries a bucket; nothing is once the table in
+    force is the plan."""
+    edges = (512, 1024, 2048)
+    old = RoutingTable.build({1: "a", 2: "b"}, edges)
+    planned = RoutingTable.build({0: "n", 1: "n", 2: "b"}, edges)
+    ready = {"a", "b"}
+    eff = make_before_break(planned, old, lambda g: g in ready)
+    assert eff.groups == ("a", "a", "b") and handing_over(eff, planned) == {"a"}
+    ready.add("n")
+    eff = make_before_break(planned, eff, lambda g: g in ready)
+    assert eff.groups == planned.groups and handing_over(eff, planned) == set()
+    # the plan drops "b" for "c" (evicted), "a" keeps its buckets: only "b" is handing over
+    planned2 = RoutingTable.build({1: "a", 2: "c"}, edges)
+    eff2 = make_before_break(planned2, old, lambda g: g in {"a", "b"})
+    assert handing_over(eff2, planned2) == {"b"}
+    assert handing_over(None, planned2) == set() and handing_over(planned2, None) == set()
