@@ -47,8 +47,8 @@ def _choose_by_count(self, prompt: int, output: int) -> int:
     return loads.index(min(loads))
 
 
-def run(row: str, start: str, hours: float, before: bool, policy: str):
-    r = load_row(row, start, hours)
+def run(row: str, start: str, hours: float, before: bool, policy: str, copies: int = 1):
+    r = load_row(row, start, hours, copies)
     arch, db = r.arch, r.db
     arr, inp, out = r.arrival_s, r.input_tokens, r.output_tokens
     saved = (simulator.ClusterSim._advance_engines, vpod.VPodEngines.choose)

@@ -39,8 +39,8 @@ def _route_tables_before(self, now: float) -> None:
         del self.fleet.starting_groups
 
 
-def run(row: str, start: str, hours: float, before: bool, policy: str):
-    r = load_row(row, start, hours)
+def run(row: str, start: str, hours: float, before: bool, policy: str, copies: int = 1):
+    r = load_row(row, start, hours, copies)
     arr, inp, out = r.arrival_s, r.input_tokens, r.output_tokens
     if before:
         simulator.ClusterSim._route_tables = _route_tables_before

@@ -30,6 +30,7 @@ from orchestrator.cluster import (ClusterConfig, ClusterSim, ideal_at_load_repor
                                   ideal_report)
 from orchestrator.pricing import ChipModelPricer  # noqa: E402
 from orchestrator.registry import make_policies  # noqa: E402
+from rows import replicate  # noqa: E402
 from sim.traces import load_trace  # noqa: E402
 from sim.verified import verified_db  # noqa: E402
 
@@ -74,18 +75,6 @@ def run_one(job: tuple) -> str:
         res["wall_s"][name] = time.perf_counter() - t
     path.write_text(json.dumps(res, indent=1))
     return f"{path} ({sum(res['wall_s'].values()):.0f} s)"
-
-
-def replicate(arr, inp, out, copies: int, seed: int = 0):
-    """``copies`` x the users: the window's requests ``copies`` times, each copy shifted by its
-    own random offset under a minute, in arrival order. Unlike ``--rate-scale`` (which divides
-    arrival times, so a 16x rate also runs the day's ramps 16x faster) this keeps the window's
-    dynamics: a policy sees 16x the load changing as fast as the real load does."""
-    rng = np.random.default_rng(seed)
-    shifts = np.repeat(rng.uniform(0.0, 60.0, copies), len(arr))
-    a = np.tile(arr, copies) + shifts
-    order = np.argsort(a, kind="stable")
-    return a[order], np.tile(inp, copies)[order], np.tile(out, copies)[order]
 
 
 def _key(metric: str) -> str:

@@ -1,6 +1,7 @@
 """A row of the results table as the row benchmarks name it (``model:trace:metric:phase``):
-checking the name and loading what a replay of it needs. Shared by ``headroom.py``,
-``seed_noise.py``, ``handoff_order.py`` and ``move_when_up.py``."""
+checking the name and loading what a replay of it needs (``copies`` x its users, as the load
+sweep replays them). Shared by ``headroom.py``, ``seed_noise.py``, ``handoff_order.py``,
+``move_when_up.py``, ``hold_scale_in.py`` and ``paper_eval.py`` (the sweep's copies)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ def check_rows(ap: argparse.ArgumentParser, rows: list[str], hours: float,
             ap.error(f"{flag}: {row!r} is not model:trace:{{energy|cost}}:{{prefill|decode}}")
 
 
+def replicate(arr, inp, out, copies: int, seed: int = 0):
+    """``copies`` x the users: the window's requests ``copies`` times, each copy shifted by its
+    own random offset under a minute, in arrival order. Unlike ``--rate-scale`` (which divides
+    arrival times, so a 16x rate also runs the day's ramps 16x faster) this keeps the window's
+    dynamics: a policy sees 16x the load changing as fast as the real load does."""
+    rng = np.random.default_rng(seed)
+    shifts = np.repeat(rng.uniform(0.0, 60.0, copies), len(arr))
+    a = np.tile(arr, copies) + shifts
+    order = np.argsort(a, kind="stable")
+    return a[order], np.tile(inp, copies)[order], np.tile(out, copies)[order]
+
+
 @dataclass
 class Row:
     arch: object
@@ -47,38 +60,48 @@ class Row:
         return "tokens_per_j" if self.metric == "energy" else "tokens_per_usd"
 
 
-def load_row(row: str, start: str, hours: float) -> Row:
-    """The model, its verified database for the row's metric and the trace window."""
+def load_row(row: str, start: str, hours: float, copies: int = 1) -> Row:
+    """The model, its verified database for the row's metric and the trace window (``copies``
+    times its users, :func:`replicate`)."""
     model, trace, metric, phase = row.split(":")
     arch = load_model(model)
     db = verified_db(arch, progress=False, metric=metric)
     tr = load_trace(trace, start=start, hours=hours)
-    return Row(arch, db, np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
-               np.asarray(tr.output_tokens), metric, phase)
+    arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
+                     np.asarray(tr.output_tokens))
+    if copies != 1:
+        arr, inp, out = replicate(arr, inp, out, copies)
+    return Row(arch, db, arr, inp, out, metric, phase)
 
 
 def before_after_main(doc: str, run, row: str, policies: str, start: str,
-                      hours: float) -> None:
+                      hours: float, copies: int = 1) -> None:
     """The command line of a benchmark that replays a row with a fix patched out
-    (``run(row, start, hours, True, policy)``) and as shipped (``before=False``), and prints
-    per policy the efficiency and SLO rate of both and their ratio. The defaults are the
-    benchmark's own row and window. Shared by ``handoff_order.py`` and ``move_when_up.py``."""
+    (``run(row, start, hours, True, policy, copies)``) and as shipped (``before=False``), and
+    prints per policy the efficiency and SLO rate of both and their ratio. The defaults are the
+    benchmark's own row, window and copies. Shared by ``handoff_order.py``, ``move_when_up.py``
+    and ``hold_scale_in.py``."""
     from dse.errors import NeuScaleError
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--row", default=row, help="model:trace:metric:phase")
     ap.add_argument("--policies", default=policies)
     ap.add_argument("--start", default=start)
     ap.add_argument("--hours", type=float, default=hours)
+    ap.add_argument("--copies", type=int, default=copies,
+                    help="replay this many copies of the window's users (the load sweep's x)")
     args = ap.parse_args()
     check_rows(ap, [args.row], args.hours, "--row")
+    if args.copies < 1:
+        ap.error("--copies must be a whole number >= 1")
     pols = [p for p in args.policies.split(",") if p]
-    print(f"| {args.row} ({args.hours:g} h from {args.start}) | as-before: efficiency | SLO | "
+    x = f", {args.copies}x" if args.copies != 1 else ""
+    print(f"| {args.row} ({args.hours:g} h from {args.start}{x}) | as-before: efficiency | SLO | "
           "as-shipped: efficiency | SLO | shipped / before |")
     print("|---|---|---|---|---|---|")
     for pol in pols:
         try:
-            e0, s0 = run(args.row, args.start, args.hours, True, pol)
-            e1, s1 = run(args.row, args.start, args.hours, False, pol)
+            e0, s0 = run(args.row, args.start, args.hours, True, pol, args.copies)
+            e1, s1 = run(args.row, args.start, args.hours, False, pol, args.copies)
         except NeuScaleError as e:
             sys.exit(f"error: {e}")
         print(f"| {pol} | {e0:.4g} | {s0:.1%} | {e1:.4g} | {s1:.1%} | {e1 / e0:.2f}x |",
