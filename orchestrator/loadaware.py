@@ -46,7 +46,8 @@ group (routing moves make-before-break, the old one drains), so it is done only 
 the saving over the window must exceed the new vPods' start-up (Table 3's creation, engine start
 and weight load at static cost) and the drain of the groups it leaves (their vPods stay up until
 their requests finish: the longest stay the window saw), the better allocation must have been
-the better one for ``rechoose_epochs`` epochs in a row (no flapping), and a group in an
+the better one for ``rechoose_epochs`` epochs in a row (no flapping; unless what runs must start
+a group of its own anyway, for a length no running allocation meets), and a group in an
 emergency (queue beyond its batch slots) first scales out what it runs. A decode group runs the
 widest batch of its allocation that meets its buckets' SLOs (the batch is an admission limit,
 not a choice at load); a length with no traffic before joins the running group that holds it,
@@ -336,12 +337,18 @@ class LoadAwarePolicy(Policy):
                 return cur, REASON_KEEP + ": an emergency scales out what runs first"
         saving = (sum(c.per_s for _, _, c in cur) - sum(c.per_s for _, _, c in new)) \
             * self.cfg.window_s
-        running = {spec.id for _, spec, _ in cur}
-        payback = sum(startup_cost(self.pricer.cost(alloc_of(spec), self.phase,
-                                                    self.edges[seg[-1]]), c.vpods, self.metric)
-                      for seg, spec, c in new if spec.id not in running)
-        payback += self._drain_cost(cur, {spec.id for _, spec, _ in new}, obs)
-        if saving <= payback or count < self.cfg.rechoose_epochs:
+        # start-ups either grouping pays: what runs may need a group of its own for a length
+        # no running allocation meets (a first long request); then it is no steady state and
+        # the no-flapping hold protects nothing - staying starts vPods too
+        up = {v.group for v in obs.inventory}
+        starts_new, starts_cur = (
+            sum(startup_cost(self.pricer.cost(alloc_of(spec), self.phase, self.edges[seg[-1]]),
+                             c.vpods, self.metric) for seg, spec, c in part if spec.id not in up)
+            for part in (new, cur))
+        payback = starts_new - starts_cur + self._drain_cost(
+            cur, {spec.id for _, spec, _ in new}, obs)
+        held = count < self.cfg.rechoose_epochs and starts_cur == 0
+        if saving <= payback or held:
             state.pending = {-1: (repr(sig), count)}
             return cur, (f"{REASON_KEEP}: the cheapest grouping saves {saving:.3g} over the "
                          f"window against {payback:.3g} to start it and drain what it leaves, "
