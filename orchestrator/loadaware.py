@@ -163,13 +163,16 @@ class LoadAwarePolicy(Policy):
         return max(0.0, min(self._slo[i] / c.latency_s - 1.0 for c, i in zip(costs, buckets)))
 
     def per_vpod(self, costs: list, buckets: list[int]) -> int:
-        """Servers in a vPod. Decode: the sequences it holds at once (throughput x TPOT at the
-        group's longest bucket), each a slot a request keeps to its end. Prefill: one - a step
-        takes what is waiting when it starts, so a prompt that arrives during a step waits for
-        it whatever the batch has room for."""
-        if self.phase == "prefill":
-            return 1
+        """Servers in a vPod, at the group's longest bucket. Decode: the sequences it holds at
+        once (throughput x TPOT), each a slot a request keeps to its end. Prefill: the batches
+        it holds at once (latency over cycle). Without a pipeline that is one - a step takes
+        what is waiting when it starts, so a prompt that arrives during a step waits for it
+        whatever the batch has room for; a pipelined vPod's first stage takes the next prompt
+        as soon as it passes its own on, so a batch-1 PP 4 vPod is four servers, each busy for
+        the whole latency (its throughput counts all four: the DSE's steady-state cycle)."""
         c = costs[-1]
+        if self.phase == "prefill":
+            return max(1, round(c.in_flight))
         return max(1, round(c.throughput_tok_per_s * c.latency_s))
 
     def _demand(self, g: str, spec: GroupSpec, load: _GroupLoad) -> tuple[np.ndarray, float]:
@@ -192,10 +195,12 @@ class LoadAwarePolicy(Policy):
     def _queue_tolerance(self, g: str) -> float:
         """A prefill group's requests may wait ``slack`` service times within their SLO (its
         sizing allows for it), so its queue is an emergency only past its batch slots x
-        (1 + slack): beyond that the last request waits longer than its SLO allows. Decode
-        has no slack: its batch slots, as the paper's rule."""
-        slack = self._slack.get(g, (0.0, 1, True))[0]
-        return 1.0 + (slack if math.isfinite(slack) else 0.0)
+        (1 + slack) x the batches a vPod holds at once (a pipeline's stages): beyond that the
+        last request waits longer than its SLO allows. Decode has no slack: its batch slots,
+        as the paper's rule."""
+        slack, per_vpod, _ = self._slack.get(g, (0.0, 1, True))
+        held = per_vpod if self.phase == "prefill" else 1
+        return held * (1.0 + (slack if math.isfinite(slack) else 0.0))
 
     def _size(self, spec: GroupSpec, s: np.ndarray, T: float, gs, current: int,
               now_s: float) -> tuple[int, str]:

@@ -61,6 +61,10 @@ class PointCost:
     static_w: float
     usd_per_s: float
     startup_s: float
+    # batches a vPod holds at once: its latency over its cycle (the interval at which it takes
+    # the next batch) - a pipeline's stages each hold one, so ~pp for a batch-1 PP vPod; 1
+    # without a pipeline (a step takes what waits when it starts)
+    in_flight: float = 1.0
 
 
 class Pricer(Protocol):
@@ -99,7 +103,7 @@ class ChipModelPricer:
         return PointCost(latency_s=r.latency_s, throughput_tok_per_s=r.throughput_tok_per_s,
                          dyn_j_per_token=max(0.0, r.energy_j - static_w * r.cycle_s) / r.tokens,
                          static_w=static_w, usd_per_s=chip.vpod_usd(a.num_chips, 1.0),
-                         startup_s=startup)
+                         startup_s=startup, in_flight=r.latency_s / r.cycle_s)
 
 
 class CalibratedPricer:

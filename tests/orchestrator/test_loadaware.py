@@ -8,7 +8,7 @@ from dse import load_model
 from orchestrator.cluster import ClusterConfig, ClusterSim, ideal_at_load_report
 from orchestrator.loadaware import LoadAwarePolicy, alloc_of
 from orchestrator.policy import GroupSpec, Observation, Policy, PolicyConfig, VPodRecord
-from orchestrator.pricing import ChipModelPricer, erlang_c, servers_needed
+from orchestrator.pricing import Alloc, ChipModelPricer, erlang_c, servers_needed
 from orchestrator.registry import make_policies
 
 N = 180
@@ -134,6 +134,34 @@ def test_erlang_sizing():
     # decode vPods with large batches run nearly full; tiny batches need headroom
     assert servers_needed(4.0, 0.0, per_vpod=256, pooled=False) <= 5
     assert servers_needed(4.0, 0.0, per_vpod=2, pooled=False) >= 8
+
+
+def test_a_pipelined_prefill_vpod_is_as_many_servers_as_its_stages(db, pricer):
+    """A batch-1 prefill vPod without a pipeline serves one prompt at a time; with PP 4 its
+    first stage takes the next prompt when it passes its own on, so four are in flight, each
+    for the whole latency (the DSE's throughput is the steady-state cycle's, four prompts per
+    latency). Sizing it as one server with the SLO slack in latencies asked for twice the
+    vPods a light load needs (Llama3-70B on the Azure conversation hour at 2 requests/s: two
+    v6e-8 TP 4 PP 2 vPods for 0.2 vPods of demand, where Base met more of the SLO on one PP 4
+    vPod)."""
+    pol = LoadAwarePolicy(db, "prefill", pricer=pricer)
+    seg = [4, 8, 12]
+    lengths = [db.edges[i] for i in seg]
+    held = {}
+    for tp, pp in ((8, 1), (4, 2), (2, 4)):
+        a = Alloc("v6e", "4x2", 8, tp, pp, 1, 1)
+        costs = [pricer.cost(a, "prefill", n) for n in lengths]
+        held[pp] = pol.per_vpod(costs, seg)
+        c = costs[-1]
+        # the stages it holds at once: latency over the cycle at which it takes a prompt
+        assert c.in_flight == pytest.approx(c.throughput_tok_per_s * c.latency_s / lengths[-1])
+    assert held == {1: 1, 2: 2, 4: 4}
+    # four servers at a fifth of a vPod's work wait little even with almost no slack; one
+    # server at the same utilisation needs a second vPod
+    assert servers_needed(0.2, 0.066, per_vpod=4) == 1 < servers_needed(0.2, 0.066, per_vpod=1)
+    # and its queue is an emergency only past what its stages clear within the slack
+    pol._slack["pp4"], pol._slack["pp1"] = (0.5, 4, True), (0.5, 1, True)
+    assert pol._queue_tolerance("pp4") == pytest.approx(4 * pol._queue_tolerance("pp1"))
 
 
 def test_ideal_at_load_is_between_the_policies_and_the_full_batch_ideal(db, pricer):
