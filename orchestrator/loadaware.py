@@ -32,7 +32,8 @@ at the throughput of one bucket. Both go wrong away from full load:
   times) with probability at most 5 %, each vPod as many servers as requests it holds at once
   (Erlang C with Allen-Cunneen's factor for deterministic service,
   :func:`orchestrator.pricing.servers_needed`): a prefill vPod is one server (a step takes what
-  waits when it starts) and prefill vPods share one queue (a prompt goes to the vPod with the
+  waits when it starts; a pipelined one takes a prompt per cycle, a stage's share of its
+  latency, so its slack is counted in cycles) and prefill vPods share one queue (a prompt goes to the vPod with the
   least outstanding work); a decode vPod is its batch's slots, a queue of its own (a request
   holds its slot to the end). A one-slot vPod with little slack must idle a lot, a large batch
   runs nearly full, and the choice prices candidates the same way, so an allocation with no
@@ -154,25 +155,31 @@ class LoadAwarePolicy(Policy):
         return series
 
     def slack(self, costs: list, buckets: list[int]) -> float:
-        """Service times a request of the group may wait: for prefill its tightest bucket's
-        SLO over the allocation's latency there, minus 1; for decode none - a request's wait
+        """Service times a request of the group may wait: for prefill what its tightest bucket's
+        SLO leaves beyond the allocation's latency there, in the intervals at which the vPod
+        takes a prompt (its cycle: the latency itself without a pipeline, a stage's share of
+        it with one - a prompt waits only for the first stage); for decode none - a request's wait
         for a batch slot is spread over its tokens, and the shortest outputs (most of them:
         27 tokens on average on the Azure coding day) have almost no slack in absolute time."""
         if self.phase != "prefill":
             return 0.0
-        return max(0.0, min(self._slo[i] / c.latency_s - 1.0 for c, i in zip(costs, buckets)))
+        return max(0.0, min((self._slo[i] / c.latency_s - 1.0) * c.in_flight
+                            for c, i in zip(costs, buckets)))
 
     def per_vpod(self, costs: list, buckets: list[int]) -> int:
         """Servers in a vPod, at the group's longest bucket. Decode: the sequences it holds at
-        once (throughput x TPOT), each a slot a request keeps to its end. Prefill: the batches
-        it holds at once (latency over cycle). Without a pipeline that is one - a step takes
-        what is waiting when it starts, so a prompt that arrives during a step waits for it
-        whatever the batch has room for; a pipelined vPod's first stage takes the next prompt
-        as soon as it passes its own on, so a batch-1 PP 4 vPod is four servers, each busy for
-        the whole latency (its throughput counts all four: the DSE's steady-state cycle)."""
+        once (throughput x TPOT), each a slot a request keeps to its end. Prefill: one - a
+        step takes what is waiting when it starts, so a prompt that arrives during a step
+        waits for it whatever the batch has room for. A pipelined vPod is one server too, a
+        fast one: its first stage takes the next prompt as soon as it passes its own on, so a
+        prompt waits for that stage (the cycle), then runs the whole latency; the slack is
+        counted in cycles (:meth:`slack`). (Counted as PP servers each busy for the whole
+        latency, it would run its vPods hotter than a tandem of stages can: Erlang C's
+        k-server prefactor is below one server's at the same utilisation, while both decay
+        alike.)"""
         c = costs[-1]
         if self.phase == "prefill":
-            return max(1, round(c.in_flight))
+            return 1
         return max(1, round(c.throughput_tok_per_s * c.latency_s))
 
     def _demand(self, g: str, spec: GroupSpec, load: _GroupLoad) -> tuple[np.ndarray, float]:
@@ -193,14 +200,13 @@ class LoadAwarePolicy(Policy):
         return float(s.max())
 
     def _queue_tolerance(self, g: str) -> float:
-        """A prefill group's requests may wait ``slack`` service times within their SLO (its
-        sizing allows for it), so its queue is an emergency only past its batch slots x
-        (1 + slack) x the batches a vPod holds at once (a pipeline's stages): beyond that the
-        last request waits longer than its SLO allows. Decode has no slack: its batch slots,
-        as the paper's rule."""
-        slack, per_vpod, _ = self._slack.get(g, (0.0, 1, True))
-        held = per_vpod if self.phase == "prefill" else 1
-        return held * (1.0 + (slack if math.isfinite(slack) else 0.0))
+        """A prefill group's requests may wait ``slack`` cycles within their SLO (its sizing
+        allows for it), so its queue is an emergency only past its batch slots x (1 + slack):
+        beyond that the last request waits longer than its SLO allows (a pipeline takes a
+        prompt per cycle, so its slack in cycles counts its stages). Decode has no slack: its
+        batch slots, as the paper's rule."""
+        slack = self._slack.get(g, (0.0, 1, True))[0]
+        return 1.0 + (slack if math.isfinite(slack) else 0.0)
 
     def _size(self, spec: GroupSpec, s: np.ndarray, T: float, gs, current: int,
               now_s: float) -> tuple[int, str]:
@@ -585,7 +591,8 @@ class LoadAwarePolicy(Policy):
                 "inv_t": np.array([1.0 / x.throughput_tok_per_s for x in costs]),
                 "dyn": np.array([x.dyn_j_per_token for x in costs]),
                 "ok": lat <= slo * self._margin,
-                "slack": (np.maximum(slo / lat - 1.0, 0.0) if self.phase == "prefill"
+                "slack": (np.maximum(slo / lat - 1.0, 0.0)
+                          * np.array([x.in_flight for x in costs]) if self.phase == "prefill"
                           else np.zeros(len(seg))),
                 "static": static_per_s(c, self.metric),
                 "per_vpod": self.per_vpod(costs, seg)}))

@@ -136,32 +136,38 @@ def test_erlang_sizing():
     assert servers_needed(4.0, 0.0, per_vpod=2, pooled=False) >= 8
 
 
-def test_a_pipelined_prefill_vpod_is_as_many_servers_as_its_stages(db, pricer):
+def test_a_pipelined_prefill_vpod_waits_for_its_first_stage_only(db, pricer):
     """A batch-1 prefill vPod without a pipeline serves one prompt at a time; with PP 4 its
-    first stage takes the next prompt when it passes its own on, so four are in flight, each
-    for the whole latency (the DSE's throughput is the steady-state cycle's, four prompts per
-    latency). Sizing it as one server with the SLO slack in latencies asked for twice the
-    vPods a light load needs (Llama3-70B on the Azure conversation hour at 2 requests/s: two
-    v6e-8 TP 4 PP 2 vPods for 0.2 vPods of demand, where Base met more of the SLO on one PP 4
-    vPod)."""
+    first stage takes the next prompt when it passes its own on: a prompt waits for that stage
+    (a cycle, a quarter of the latency here), not for the whole latency. Sized as one server
+    whose slack is counted in latencies, a light load got twice the vPods it needs
+    (Llama3-70B on the Azure conversation hour at 2 requests/s: two v6e-8 TP 4 PP 2 vPods for
+    0.2 vPods of demand, where Base met more of the SLO on one PP 4 vPod). It is still one
+    server, not four: four prompts cannot enter the first stage at once."""
     pol = LoadAwarePolicy(db, "prefill", pricer=pricer)
     seg = [4, 8, 12]
     lengths = [db.edges[i] for i in seg]
-    held = {}
+    slack, cycles = {}, {}
     for tp, pp in ((8, 1), (4, 2), (2, 4)):
         a = Alloc("v6e", "4x2", 8, tp, pp, 1, 1)
         costs = [pricer.cost(a, "prefill", n) for n in lengths]
-        held[pp] = pol.per_vpod(costs, seg)
+        assert pol.per_vpod(costs, seg) == 1
         c = costs[-1]
         # the stages it holds at once: latency over the cycle at which it takes a prompt
         assert c.in_flight == pytest.approx(c.throughput_tok_per_s * c.latency_s / lengths[-1])
-    assert held == {1: 1, 2: 2, 4: 4}
-    # four servers at a fifth of a vPod's work wait little even with almost no slack; one
-    # server at the same utilisation needs a second vPod
-    assert servers_needed(0.2, 0.066, per_vpod=4) == 1 < servers_needed(0.2, 0.066, per_vpod=1)
-    # and its queue is an emergency only past what its stages clear within the slack
-    pol._slack["pp4"], pol._slack["pp1"] = (0.5, 4, True), (0.5, 1, True)
-    assert pol._queue_tolerance("pp4") == pytest.approx(4 * pol._queue_tolerance("pp1"))
+        cycles[pp] = c.in_flight
+        slack[pp] = pol.slack(costs, seg)
+        # the slack in cycles is what the SLO leaves after the latency, over the cycle
+        want = min((pol._slo[i] - x.latency_s) / (x.latency_s / x.in_flight)
+                   for i, x in zip(seg, costs))
+        assert slack[pp] == pytest.approx(max(0.0, want))
+    assert cycles[1] == pytest.approx(1.0) and cycles[4] > 3.0
+    # one fast server with its slack in cycles needs fewer vPods than one counted in latencies
+    assert servers_needed(0.2, 0.5 * 4) == 1 < servers_needed(0.2, 0.5)
+    # and its queue is an emergency only past what its first stage clears within the slack
+    pol._slack["pp4"], pol._slack["pp1"] = (2.0, 1, True), (0.5, 1, True)
+    assert pol._queue_tolerance("pp4") == pytest.approx(3.0)
+    assert pol._queue_tolerance("pp1") == pytest.approx(1.5)
 
 
 def test_ideal_at_load_is_between_the_policies_and_the_full_batch_ideal(db, pricer):
