@@ -8,8 +8,9 @@ step-cost table of its allocation; a pipeline-parallel vPod runs PP virtual engi
 does (:mod:`orchestrator.cluster.fleet`).
 
 Time advances in slices of ``sample_s`` (10 s): life-cycle transitions; arrivals of the slice
-are routed (least-loaded vPod of the request's group, by outstanding tokens) and submitted at
-their exact arrival times; prefill engines advance to the slice end; finished prefills move
+are routed (prefill: the vPod of the request's group whose engines hold the least work at its
+arrival; decode: the least-loaded by outstanding tokens) and submitted at their exact arrival
+times; prefill engines advance to the slice end; finished prefills move
 their KV to a decode vPod over DCN and join it when the transfer ends; decode engines advance;
 the slice's per-bucket token rates and per-group queues go into the window. Requests routed to
 a group with no ready vPod wait at the router. Every ``epoch_s`` the policies plan; the plan
@@ -261,7 +262,12 @@ class ClusterSim:
 
     def _warm_start(self, req: _Requests) -> None:
         """The first plan sees the trace's first epoch (a running service): its vPods are
-        already up at t = 0."""
+        already up at t = 0. The window holds the epoch's prefill samples as a running
+        service's would (each 10 s of it, peaks included: a prompt's stay is shorter than a
+        sample, so the policy sizes on their peak); decode is primed at the epoch's mean
+        rates, as the decode load averaged over its requests' stays (their stays are not
+        known before they finish, and the raw samples' peak counts the Poisson noise of long
+        answers that the stay-averaged load does not)."""
         epoch_s = self.cfg.policy.epoch_s
         first = (req.arr < epoch_s) & req.servable
         nb = len(self.db.edges)
@@ -270,8 +276,13 @@ class ClusterSim:
                                     ("decode", req.tot_bucket, req.out))}
         if self.cfg.observe_routed and "decode" in self.policies:
             rates["decode"] = self._routed_decode_rates(req, first, rates)
-        for ph, s in rates.items():
-            self.window.prime(ph, s, self._epoch_every)
+        n, dt = self._epoch_every, self.dt
+        k = np.minimum((req.arr[first] / dt).astype(np.int64), n - 1)
+        samples = np.bincount(k * nb + req.pre_bucket[first], weights=req.inp[first],
+                              minlength=n * nb).reshape(n, nb) / dt
+        for x in samples:
+            self.window.record("prefill", x)
+        self.window.prime("decode", rates["decode"], n)
         self._epoch(0.0, warm=True)
         for v in self.fleet.vpods.values():
             v.created_s -= v.ready_s     # already running at t = 0
@@ -509,7 +520,15 @@ class ClusterSim:
         if not vs:
             self._router_q.setdefault((phase, group), []).append((at_s, r, inp, out))
             return
-        v = vs[0] if len(vs) == 1 else least_loaded(vs, load)
+        if len(vs) == 1:
+            v = vs[0]
+        elif phase == "prefill":
+            # the vPod whose engines hold the least work at this arrival (the live gateway
+            # counts each vPod's in-flight work as it goes; the outstanding count below learns
+            # of finishes only at a slice's end, which turned routing into round-robin)
+            v = least_loaded(vs, lambda x: (x.engine.backlog_s(at_s), load(x)))
+        else:
+            v = least_loaded(vs, load)
         tokens = inp if phase == "prefill" else out
         v.outstanding += tokens
         try:
