@@ -5,12 +5,16 @@ day's prefill allocation), Poisson arrivals at utilisation ``--rho`` of their th
 prompt lengths drawn from the Azure coding window (12:00, 15 min), the simulated engines (a PP
 vPod's virtual engines, ``sim.vpod``). Two routers, same arrivals, same engines:
 
-* ``slice`` - the cluster simulator's: a prompt goes to the vPod with the least outstanding
-  prompt tokens, a count that learns of finished prompts only at each 10-s slice's end, and
-  to that vPod's virtual engine with the least work given to it (``sim.vpod.VPodEngines``);
+* ``slice`` - the cluster simulator's before this was fixed: a prompt goes to the vPod with
+  the least outstanding prompt tokens, a count that learns of finished prompts only at each
+  10-s slice's end, and to that vPod's virtual engine with the least work given to it
+  (``sim.vpod.VPodEngines.choose`` without an arrival time);
 * ``exact`` - every engine advanced to the arrival, the prompt to the virtual engine (of any
   vPod) that can start it first: a central queue, what Erlang C assumes and what a gateway
-  that knows each vPod's in-flight work at every arrival comes close to.
+  that knows each vPod's in-flight work at every arrival comes close to;
+* ``shipped`` - the cluster simulator's now (``ClusterSim._submit``): the vPod whose engines
+  has an engine free soonest at the arrival, then the least projected work
+  (``VPodEngines.backlog_s``), and its virtual engine that can start the prompt first.
 
 Prints the share of prompts that met their bucket's TTFT SLO under each, and the median slack
 (SLO minus latency, in the vPod's cycles). ~5 s with the defaults::
@@ -71,6 +75,11 @@ def run(router: str, vpods: int, rho: float, prompts: int, chip: str, topology: 
             vps[j].loads[e] += 1
             vps[j].work[e] += n
             continue
+        if router == "shipped":
+            j = min(range(vpods), key=lambda i: (*vps[i].backlog_s(at), outstanding[i]))
+            outstanding[j] += n
+            vps[j].submit(k, at, n, 1)
+            continue
         while at >= slice_end:                      # the simulator learns of finishes here
             for i, v in enumerate(vps):
                 for q in v.advance_to(slice_end):
@@ -79,7 +88,11 @@ def run(router: str, vpods: int, rho: float, prompts: int, chip: str, topology: 
             slice_end += SLICE_S
         j = min(range(vpods), key=lambda i: outstanding[i])
         outstanding[j] += n
-        vps[j].submit(k, at, n, 1)
+        v = vps[j]
+        e = v.choose(n, 1)                          # by the work given (no arrival time)
+        v.engines[e].submit(k, at, n, 1)
+        v.loads[e] += 1
+        v.work[e] += n
     for v in vps:
         for q in v.advance_to(1e12):
             finish[q.req_id] = q.finish_s
@@ -105,7 +118,7 @@ def main() -> None:
         chips, tp, pp = int(chips), int(tp), int(pp)
     except ValueError:
         ap.error(f"--alloc: {args.alloc!r} is not chip:topology:chips:tp:pp")
-    for router in ("slice", "exact"):
+    for router in ("slice", "exact", "shipped"):
         met, cyc = run(router, args.vpods, args.rho, args.prompts, chip, topo, chips, tp, pp)
         print(f"{router:6} router: {args.vpods} vPods at {args.rho:.0%} busy, "
               f"TTFT SLO met {met:.1%} (median slack {cyc:.2f} cycles)", flush=True)

@@ -60,11 +60,12 @@ class VPodEngines:
             self._service[prompt] = got
         return got
 
-    def backlog_s(self, at_s: float) -> float:
-        """Prefill: the work the vPod's engines hold at ``at_s``, in seconds per engine (what
-        a router that knows each vPod's in-flight work at every arrival compares)."""
+    def backlog_s(self, at_s: float) -> tuple[float, float]:
+        """Prefill, at ``at_s``: how long until one of the vPod's engines is free, then the
+        work its engines hold (seconds per engine) - what a router that knows each vPod's
+        in-flight work at every arrival compares (a vPod with an idle engine first)."""
         f = self.free_at
-        return sum(x - at_s for x in f if x > at_s) / len(f)
+        return (max(0.0, min(f) - at_s), sum(x - at_s for x in f if x > at_s) / len(f))
 
     def choose(self, prompt: int, output: int, arrival_s: float | None = None) -> int:
         """The engine :meth:`submit` gives a request to (its index)."""

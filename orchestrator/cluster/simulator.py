@@ -526,7 +526,7 @@ class ClusterSim:
             # the vPod whose engines hold the least work at this arrival (the live gateway
             # counts each vPod's in-flight work as it goes; the outstanding count below learns
             # of finishes only at a slice's end, which turned routing into round-robin)
-            v = least_loaded(vs, lambda x: (x.engine.backlog_s(at_s), load(x)))
+            v = least_loaded(vs, lambda x: (*x.engine.backlog_s(at_s), load(x)))
         else:
             v = least_loaded(vs, load)
         tokens = inp if phase == "prefill" else out

@@ -460,12 +460,20 @@ def test_prefill_goes_to_the_vpod_with_the_least_work_at_its_arrival():
     a, b = make(), make()
     a.submit(0, 0.0, 2048, 1)                    # done at 0.1 s or so
     s = a.service_s(2048)
-    assert a.backlog_s(0.0) == pytest.approx(s)
-    assert a.backlog_s(s / 2) == pytest.approx(s / 2)
-    assert a.backlog_s(s + 1.0) == 0.0
+    assert a.backlog_s(0.0) == pytest.approx((s, s))
+    assert a.backlog_s(s / 2) == pytest.approx((s / 2, s / 2))
+    assert a.backlog_s(s + 1.0) == (0.0, 0.0)
     b.submit(0, 1.0, 512, 1)
     # at 1.0 s, a is idle and b busy: a prompt goes to a, though a was given more tokens
     assert a.backlog_s(1.0) < b.backlog_s(1.0)
+    # a pipelined vPod with an idle engine comes before one whose engines are all a little busy
+    make4 = _pp_prefill_vpod(pp=4)
+    c, d = make4(), make4()
+    c.submit(0, 0.0, 8000, 1)                    # one engine busy for ~1 s, three idle
+    for i in range(4):
+        d.submit(i, 0.0, 300, 1)                 # every engine busy for a short while
+    assert sum(x for x in c.free_at) > sum(x for x in d.free_at)
+    assert c.backlog_s(0.01) < d.backlog_s(0.01)
 
 
 def test_the_warm_start_primes_the_window_with_the_first_epochs_prefill_samples(db, monkeypatch):
