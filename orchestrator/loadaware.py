@@ -33,8 +33,8 @@ at the throughput of one bucket. Both go wrong away from full load:
   (Erlang C with Allen-Cunneen's factor for deterministic service,
   :func:`orchestrator.pricing.servers_needed`): a prefill vPod is one server (a step takes what
   waits when it starts; a pipelined one takes a prompt per cycle, a stage's share of its
-  latency, so its slack is counted in cycles) and prefill vPods share one queue (a prompt goes to the vPod with the
-  least outstanding work); a decode vPod is its batch's slots, a queue of its own (a request
+  latency, so its slack is counted in cycles) and prefill vPods share one queue (a prompt
+  goes where it can start first); a decode vPod is its batch's slots, a queue of its own (a request
   holds its slot to the end). A one-slot vPod with little slack must idle a lot, a large batch
   runs nearly full, and the choice prices candidates the same way, so an allocation with no
   slack, or a tiny batch, loses to one that has them. Decode
@@ -177,9 +177,9 @@ class LoadAwarePolicy(Policy):
         latency, it would run its vPods hotter than a tandem of stages can: Erlang C's
         k-server prefactor is below one server's at the same utilisation, while both decay
         alike.)"""
-        c = costs[-1]
         if self.phase == "prefill":
             return 1
+        c = costs[-1]
         return max(1, round(c.throughput_tok_per_s * c.latency_s))
 
     def _demand(self, g: str, spec: GroupSpec, load: _GroupLoad) -> tuple[np.ndarray, float]:

@@ -8,9 +8,9 @@ step-cost table of its allocation; a pipeline-parallel vPod runs PP virtual engi
 does (:mod:`orchestrator.cluster.fleet`).
 
 Time advances in slices of ``sample_s`` (10 s): life-cycle transitions; arrivals of the slice
-are routed (prefill: the vPod of the request's group whose engines hold the least work at its
-arrival; decode: the least-loaded by outstanding tokens) and submitted at their exact arrival
-times; prefill engines advance to the slice end; finished prefills move
+are routed (prefill: the vPod of the request's group with an engine free soonest at its
+arrival, then the least projected work, :meth:`sim.vpod.VPodEngines.backlog_s`; decode: the
+least-loaded by outstanding tokens) and submitted at their exact arrival times; prefill engines advance to the slice end; finished prefills move
 their KV to a decode vPod over DCN and join it when the transfer ends; decode engines advance;
 the slice's per-bucket token rates and per-group queues go into the window. Requests routed to
 a group with no ready vPod wait at the router. Every ``epoch_s`` the policies plan; the plan
@@ -523,9 +523,9 @@ class ClusterSim:
         if len(vs) == 1:
             v = vs[0]
         elif phase == "prefill":
-            # the vPod whose engines hold the least work at this arrival (the live gateway
-            # counts each vPod's in-flight work as it goes; the outstanding count below learns
-            # of finishes only at a slice's end, which turned routing into round-robin)
+            # the vPod with an engine free soonest at this arrival, then the least work (the
+            # live gateway counts each vPod's in-flight work as it goes; the outstanding count
+            # below learns of finishes only at a slice's end, which made it round-robin)
             v = least_loaded(vs, lambda x: (*x.engine.backlog_s(at_s), load(x)))
         else:
             v = least_loaded(vs, load)
