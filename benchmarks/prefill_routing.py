@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse.catalog import default_catalog  # noqa: E402
+from dse.errors import NeuScaleError  # noqa: E402
 from orchestrator.pricing import Alloc, ChipModelPricer  # noqa: E402
 from rows import load_row  # noqa: E402
 from sim.vpod import TableCache, vpod_engines  # noqa: E402
@@ -119,7 +120,10 @@ def main() -> None:
     except ValueError:
         ap.error(f"--alloc: {args.alloc!r} is not chip:topology:chips:tp:pp")
     for router in ("slice", "exact", "shipped"):
-        met, cyc = run(router, args.vpods, args.rho, args.prompts, chip, topo, chips, tp, pp)
+        try:
+            met, cyc = run(router, args.vpods, args.rho, args.prompts, chip, topo, chips, tp, pp)
+        except NeuScaleError as e:              # an unknown chip, an invalid TP/PP split
+            sys.exit(f"error: --alloc {args.alloc}: {e}")
         print(f"{router:6} router: {args.vpods} vPods at {args.rho:.0%} busy, "
               f"TTFT SLO met {met:.1%} (median slack {cyc:.2f} cycles)", flush=True)
 

@@ -122,6 +122,16 @@ class PrefillEngine(_FastBase):
             self._next = None                  # it may join the step planned at the clock
         return r
 
+    def lone_prompt_s(self, prompt_tokens: int) -> float:
+        """How long a prompt alone takes on this engine: its chunks of at most the batched-token
+        budget, each a step priced as :meth:`_plan_step` prices it."""
+        budget, done, t = max(1, self.max_batched_tokens), 0, 0.0
+        while done < prompt_tokens:
+            c = min(budget, prompt_tokens - done)
+            t += self._step(float(c), c * done + c * (c + 1) * 0.5, 0.0, 0.0)[0]
+            done += c
+        return t
+
     def tokens_out(self, r: FastRequest, t_s: float | None = None) -> int:
         """Output tokens of ``r`` that exist at engine time ``t_s`` (default: the clock): 1 once
         the step that processes its last prompt token has ended, else 0. A wall-clock driver

@@ -45,16 +45,11 @@ class VPodEngines:
         return r.prompt_tokens if self._prefill else r.output_tokens
 
     def service_s(self, prompt: int) -> float:
-        """A prefill engine's time for a lone prompt: its chunks' steps, each of at most the
-        engine's batched-token budget, on the step-cost table (as the engine prices them)."""
+        """A prefill engine's time for a lone prompt (:meth:`PrefillEngine.lone_prompt_s`),
+        memoised per length."""
         got = self._service.get(prompt)
         if got is None:
-            e = self.engines[0]
-            budget, done, got = max(1, e.max_batched_tokens), 0, 0.0
-            while done < prompt:
-                c = min(budget, prompt - done)
-                got += e._step(float(c), c * done + c * (c + 1) * 0.5, 0.0, 0.0)[0]
-                done += c
+            got = self.engines[0].lone_prompt_s(prompt)
             if len(self._service) > 65536:
                 self._service.clear()
             self._service[prompt] = got
