@@ -111,14 +111,18 @@ class PrefillEngine(_FastBase):
         self._next: tuple | None = None
 
     def submit(self, req_id: Hashable, arrival_s: float, prompt_tokens: int,
-               output_tokens: int = 1) -> FastRequest:
+               output_tokens: int = 1, not_before_s: float | None = None) -> FastRequest:
+        """Queue a prompt arriving at ``arrival_s``. ``not_before_s``: the engine may not start
+        it earlier (a pipeline's first stage busy with another virtual engine's micro-batch:
+        :class:`sim.vpod.VPodEngines`); its times still count from ``arrival_s``."""
         r = FastRequest(req_id, float(arrival_s), int(prompt_tokens), int(output_tokens))
         r.blocks = self._check_request(req_id, r.arrival_s, r.prompt_tokens, r.output_tokens,
                                        "prefill")
         r.left = r.prompt_tokens
-        heapq.heappush(self._pending, (r.arrival_s, self._n_submitted, r))
+        due = r.arrival_s if not_before_s is None else max(r.arrival_s, float(not_before_s))
+        heapq.heappush(self._pending, (due, self._n_submitted, r))
         self._n_submitted += 1
-        if self._next is not None and r.arrival_s <= self._clock_s:
+        if self._next is not None and due <= self._clock_s:
             self._next = None                  # it may join the step planned at the clock
         return r
 

@@ -417,8 +417,9 @@ def test_a_prompt_goes_to_the_virtual_engine_that_can_start_it_first():
     """A 10-s slice's prompts are given to a PP vPod's virtual engines before the engines run
     (finishes are learnt at the slice's end). Chosen by the work given in the slice, a prompt
     waited behind a busy engine while another was idle; chosen by each engine's projected
-    free time, no prompt waits while one of its vPod's engines is idle - and the projection
-    is the engines' own schedule."""
+    free time, no prompt waits while one of its vPod's engines is idle longer than the
+    pipeline's first stage holds the previous prompt's first chunk - and the projection is
+    the engines' own schedule."""
     make = _pp_prefill_vpod()
     rng = np.random.default_rng(4)
     n = 400
@@ -435,10 +436,13 @@ def test_a_prompt_goes_to_the_virtual_engine_that_can_start_it_first():
     start = finish - np.array([v.service_s(int(x)) for x in lens])
     # the free-time projection is the schedule the engines ran
     assert max(v.free_at) == pytest.approx(finish.max(), rel=1e-9)
-    busy_at = [int(np.sum((start[:i] <= arr[i]) & (finish[:i] > arr[i]))) for i in range(n)]
+    # engines held at an arrival: earlier prompts not finished (running or waiting to start)
+    busy_at = [int(np.sum(finish[:i] > arr[i])) for i in range(n)]
     idle_then = np.array([b < 4 for b in busy_at])
     assert idle_then.sum() > n // 2
-    assert np.allclose(start[idle_then], arr[idle_then], atol=1e-9)
+    gate = np.concatenate(([0.0], start[:-1] + [v.stage_s(int(x)) for x in lens[:-1]]))
+    assert np.allclose(start[idle_then], np.maximum(arr, gate)[idle_then], atol=1e-9)
+    assert (gate[idle_then] > arr[idle_then]).sum() > 10     # the first stage was busy
     # the work given in the slice, the rule before: prompts waited with an engine idle
     w = make()
     for i in range(n):
@@ -466,14 +470,19 @@ def test_prefill_goes_to_the_vpod_with_the_least_work_at_its_arrival():
     b.submit(0, 1.0, 512, 1)
     # at 1.0 s, a is idle and b busy: a prompt goes to a, though a was given more tokens
     assert a.backlog_s(1.0) < b.backlog_s(1.0)
-    # a pipelined vPod with an idle engine comes before one whose engines are all a little busy
+    # a pipelined vPod with an idle engine and its first stage free comes before one whose
+    # engines are all busy for a while, though it holds more work
     make4 = _pp_prefill_vpod(pp=4)
     c, d = make4(), make4()
     c.submit(0, 0.0, 8000, 1)                    # one engine busy for ~1 s, three idle
     for i in range(4):
-        d.submit(i, 0.0, 300, 1)                 # every engine busy for a short while
-    assert sum(x for x in c.free_at) > sum(x for x in d.free_at)
-    assert c.backlog_s(0.01) < d.backlog_s(0.01)
+        d.submit(i, 0.0, 3000, 1)                # every engine busy, starts a stage apart
+    t = c.stage_free_s + 0.01                     # c's first stage has passed its prompt on
+    assert t < min(d.free_at)
+    assert sum(x - t for x in c.free_at if x > t) > 0 and c.backlog_s(t)[0] == 0.0
+    assert c.backlog_s(t) < d.backlog_s(t)
+    # before that, the idle engines wait for the first stage
+    assert c.backlog_s(0.0)[0] == pytest.approx(c.stage_s(8000))
 
 
 def test_the_warm_start_primes_the_window_with_the_first_epochs_prefill_samples(db, monkeypatch):

@@ -83,3 +83,66 @@ def test_time_ordered_handoffs_spread_over_the_virtual_engines():
     in_time = waited(list(range(n)))
     by_source = waited([i for s in (0, 1) for i in range(n) if src[i] == s])
     assert in_time < 0.1 and by_source > 2 * in_time
+
+
+def _pp_prefill(depth: int, n_engines: int = 4) -> VPodEngines:
+    return VPodEngines([PrefillEngine(affine(1 << 16), max_batch=1) for _ in range(n_engines)],
+                       depth=depth)
+
+
+def test_a_pipelines_first_stage_admits_one_prompt_per_stage_time():
+    """Four equal prompts at t=0 on a PP4 vPod's four batch-1 virtual engines: each engine
+    takes one, but the first stage passes one first chunk per stage time (a quarter of the
+    lone step), so they start a stage apart and finish L, 1.25 L, 1.5 L, 1.75 L - not all
+    at L, four prompts through a stage in the time of one."""
+    ve = _pp_prefill(4)
+    lone = ve.service_s(2000)
+    assert ve.stage_s(2000) == pytest.approx(lone / 4)
+    recs = [ve.submit(i, 0.0, 2000, 1) for i in range(4)]
+    assert ve.backlog_s(0.0)[0] == pytest.approx(lone)   # the next start: an engine free
+    ve.advance_to(1e6)
+    assert sorted(r.first_token_s for r in recs) == pytest.approx(
+        [lone * (1 + i / 4) for i in range(4)])
+    assert all(r.arrival_s == 0.0 for r in recs)         # TTFT still counts from arrival
+
+
+def test_the_gate_costs_a_full_pipeline_no_throughput_and_a_lone_vpod_nothing():
+    """40 equal prompts at once: the stage-time offsets persist, so the pipeline still passes
+    ``depth`` prompts per lone step (the last finishes at 9.75 L + L, not 10 L + its offset
+    piled up); an unpipelined vPod's engines start together as before."""
+    ve = _pp_prefill(4)
+    lone = ve.service_s(2000)
+    recs = [ve.submit(i, 0.0, 2000, 1) for i in range(40)]
+    ve.advance_to(1e6)
+    assert max(r.first_token_s for r in recs) == pytest.approx(lone * (39 / 4 + 1))
+    flat = _pp_prefill(1)
+    recs = [flat.submit(i, 0.0, 2000, 1) for i in range(4)]
+    flat.advance_to(1e6)
+    assert [r.first_token_s for r in recs] == pytest.approx([lone] * 4)
+    assert flat.backlog_s(0.0)[0] == pytest.approx(lone)
+
+
+def test_a_waiting_stage_shows_in_the_backlog():
+    """One long prompt just started on an idle PP4 vPod: three engines are free, but the
+    next prompt waits for its first chunk to leave the first stage - what the router sees."""
+    ve = _pp_prefill(4)
+    ve.submit(0, 0.0, 8000, 1)
+    wait, _ = ve.backlog_s(0.0)
+    assert wait == pytest.approx(ve.stage_s(8000)) and wait > 0
+    r = ve.submit(1, 0.0, 100, 1)
+    ve.advance_to(1e6)
+    assert r.first_token_s == pytest.approx(wait + ve.service_s(100))
+
+
+def test_only_a_pipelines_batch1_prefill_engines_are_gated():
+    """The gate needs each virtual engine's micro-batch to be one prompt: a batched engine's
+    step passes several through the first stage sharing its weight reads (and its projected
+    free time is only an upper bound), and decode has no prompts to admit."""
+    from engine_cases import chip_table
+    from sim.vpod import vpod_engines
+    t = chip_table()
+    assert vpod_engines(t, "prefill", 1, 4, 8192, 0.0).depth == 4
+    assert vpod_engines(t, "prefill", 4, 4, 8192, 0.0).depth == 4      # 1 per engine
+    assert vpod_engines(t, "prefill", 8, 4, 8192, 0.0).depth == 1      # 2 per engine
+    assert vpod_engines(t, "prefill", 1, 1, 8192, 0.0).depth == 1
+    assert vpod_engines(t, "decode", 4, 4, 8192, 0.0).depth == 1
