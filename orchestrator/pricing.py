@@ -147,7 +147,24 @@ def erlang_c(n: int, a: float) -> float:
     return n * b / (n - a * (1.0 - b))
 
 
-def servers_needed(a: float, slack: float, per_vpod: int = 1, pooled: bool = True,
+def mix_slack(latency_s, cycle_s, slo_s, requests) -> tuple[np.ndarray, np.ndarray]:
+    """A prefill group's queue over the mix of its buckets: each bucket's share of the
+    requests (``requests``: a rate or count per bucket; none at all counts them alike) and its
+    slack, the time its SLO leaves beyond its latency in units of the mix's mean cycle times
+    Allen-Cunneen's (1 + c_s^2) - a wait in an M/G/k queue decays with time over
+    E[S] (1 + c_s^2) / 2, so that slack is what the M/D/k test of :func:`servers_needed`
+    takes. E[S] (1 + c_s^2) = E[S^2] / E[S], so a short prompt queued behind the mix's long
+    ones has less slack than in its own cycles (what the tightest bucket's slack in its own
+    cycles, the rule before, assumed), and a long one more. One bucket: the rule before."""
+    lat, cyc, slo = (np.asarray(x, dtype=np.float64) for x in (latency_s, cycle_s, slo_s))
+    q = np.maximum(np.asarray(requests, dtype=np.float64), 0.0)
+    w = q / q.sum() if q.sum() > 0 else np.full(len(q), 1.0 / max(1, len(q)))
+    m1, m2 = float(w @ cyc), float(w @ (cyc * cyc))
+    s = np.maximum(slo - lat, 0.0) * (m1 / m2 if m2 > 0 else 0.0)
+    return w, s
+
+
+def servers_needed(a: float, slack, per_vpod: int = 1, pooled: bool = True,
                    miss: float = 0.05, cap: int = 4096) -> int:
     """vPods for ``a`` vPods' worth of work, each vPod ``per_vpod`` servers (the requests it
     holds at once: its batch, pipeline stages included), when a request may wait ``slack``
@@ -160,10 +177,19 @@ def servers_needed(a: float, slack: float, per_vpod: int = 1, pooled: bool = Tru
     ``pooled``: the vPods share one queue (k = n x per_vpod: requests routed to the vPod with
     the least outstanding work, as prefill is); else every vPod is a queue of its own with a /
     n of the load (a decoding request holds its slot to the end and cannot move).
-    ``slack = inf``: ``ceil(a)``, the paper's N = R / T."""
+    ``slack = inf``: ``ceil(a)``, the paper's N = R / T. ``slack`` may also be a mix
+    ``(weights, slacks)`` (:func:`mix_slack`): then the share of the requests that wait past
+    their own slack is at most ``miss``, C(k, b) sum_i w_i exp(-2 (k - b) slack_i)."""
     if a <= 0:
         return 0
     n_vpods = max(1, math.ceil(a - 1e-9))
+    if isinstance(slack, tuple):
+        w, sl = slack
+        if pooled and len(sl) > 1:
+            return _servers_for_mix(a, n_vpods, np.asarray(w, dtype=np.float64),
+                                    np.maximum(np.asarray(sl, dtype=np.float64), 0.0),
+                                    max(1, int(per_vpod)), miss, cap)
+        slack = float(np.min(sl)) if len(sl) else math.inf
     if math.isinf(slack):
         return n_vpods
     k = max(1, int(per_vpod))
@@ -178,6 +204,19 @@ def servers_needed(a: float, slack: float, per_vpod: int = 1, pooled: bool = Tru
         if busy < servers and \
                 erlang_c(servers, busy) * math.exp(-2.0 * (servers - busy) * s) <= miss:
             break
+        n_vpods += 1
+    return n_vpods
+
+
+def _servers_for_mix(a: float, n_vpods: int, w: np.ndarray, sl: np.ndarray, k: int,
+                     miss: float, cap: int) -> int:
+    """:func:`servers_needed` for a mix of slacks, one pooled queue."""
+    while n_vpods < cap:
+        servers, busy = n_vpods * k, a * k
+        if busy < servers:
+            c = erlang_c(servers, busy)
+            if c * float(w @ np.exp(-2.0 * (servers - busy) * sl)) <= miss:
+                break
         n_vpods += 1
     return n_vpods
 
@@ -227,4 +266,4 @@ def startup_cost(c: PointCost, vpods: int, metric: str) -> float:
 
 
 __all__ = ["Alloc", "ChipModelPricer", "LoadCost", "PointCost", "Pricer", "cost_per_s",
-           "erlang_c", "servers_needed", "startup_cost", "static_per_s"]
+           "erlang_c", "mix_slack", "servers_needed", "startup_cost", "static_per_s"]

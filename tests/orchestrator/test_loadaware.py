@@ -165,7 +165,7 @@ def test_a_pipelined_prefill_vpod_waits_for_its_first_stage_only(db, pricer):
     # one fast server with its slack in cycles needs fewer vPods than one counted in latencies
     assert servers_needed(0.2, 0.5 * 4) == 1 < servers_needed(0.2, 0.5)
     # and its queue is an emergency only past what its first stage clears within the slack
-    pol._slack["pp4"], pol._slack["pp1"] = (2.0, 1, True), (0.5, 1, True)
+    pol._tol["pp4"], pol._tol["pp1"] = 2.0, 0.5
     assert pol._queue_tolerance("pp4") == pytest.approx(3.0)
     assert pol._queue_tolerance("pp1") == pytest.approx(1.5)
 
@@ -222,7 +222,7 @@ def test_a_prefill_queue_within_the_slos_slack_or_a_bursts_is_no_emergency(db, p
     (g,) = chosen(first)
     inv = inventory(first)
     slots = sum(v.max_batch for v in inv)
-    slack = pol._slack[g][0]
+    slack = pol._tol[g]
     assert slack > 0.5, slack                     # some room below the SLO to test with
     within = int(slots * (1 + slack))
     beyond = int(slots * (1 + slack)) + slots + 1
