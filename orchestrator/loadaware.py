@@ -71,7 +71,7 @@ from dse.vpod import VPodState
 from .policy import (Action, ActionKind, GroupSpec, Observation, Plan, Policy, PolicyConfig,
                      PolicyState, _GroupLoad)
 from .pricing import (Alloc, ChipModelPricer, LoadCost, Pricer, _max_busy, cost_per_s,
-                      mix_slack, servers_needed, startup_cost, static_per_s)
+                      gated_depth, mix_slack, servers_needed, startup_cost, static_per_s)
 
 REASON_KEEP = "kept"
 
@@ -169,20 +169,23 @@ class LoadAwarePolicy(Policy):
         return max(0.0, min((self._slo[i] / c.latency_s - 1.0) * c.in_flight
                             for c, i in zip(costs, buckets)))
 
-    def queue_slack(self, costs: list, buckets: list[int], token_rates):
+    def queue_slack(self, costs: list, buckets: list[int], token_rates, depth: int = 1):
         """What :func:`orchestrator.pricing.servers_needed` sizes a group by: prefill, the
         queue over the group's mix (:func:`orchestrator.pricing.mix_slack`: each bucket's
         share of the requests - its token rate over its length - and its slack in the mix's
         cycles); decode, no slack (:meth:`slack`). Measured against an FCFS M/G/k queue of a
         group's prompts (``tests/orchestrator/test_queue_model.py``): the share that misses
         is within the test's bounds where the tightest bucket's slack in its own cycles (the
-        rule before, still the emergency tolerance) was off by more than 1.5x."""
+        rule before, still the emergency tolerance) was off by more than 1.5x. ``depth``: a
+        batch-1 pipeline's virtual engines (:func:`orchestrator.pricing.gated_depth`), which
+        pass less than their nominal throughput on a mix (the tuple's third element)."""
         if self.phase != "prefill":
             return 0.0
         lat = [c.latency_s for c in costs]
         return mix_slack(lat, [x / c.in_flight for x, c in zip(lat, costs)],
                          [self._slo[i] for i in buckets],
-                         [float(r) / self.edges[i] for r, i in zip(token_rates, buckets)])
+                         [float(r) / self.edges[i] for r, i in zip(token_rates, buckets)],
+                         depth)
 
     def per_vpod(self, costs: list, buckets: list[int]) -> int:
         """Servers in a vPod, at the group's longest bucket. Decode: the sequences it holds at
@@ -207,7 +210,7 @@ class LoadAwarePolicy(Policy):
         a = alloc_of(spec)
         costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in buckets]
         rates = load.matrix(buckets).mean(axis=0)
-        self._slack[g] = (self.queue_slack(costs, buckets, rates),
+        self._slack[g] = (self.queue_slack(costs, buckets, rates, gated_depth(a)),
                           self.per_vpod(costs, buckets), self.phase == "prefill")
         self._tol[g] = self.slack(costs, buckets)
         t_ref = costs[-1].throughput_tok_per_s
@@ -440,7 +443,8 @@ class LoadAwarePolicy(Policy):
             spec = state.allocs[g]
             seg = [buckets[k] for k in ks]
             costs = [self.pricer.cost(alloc_of(spec), self.phase, self.edges[i]) for i in seg]
-            out.append((seg, spec, self._load_cost(costs, seg, window[:, ks], mean[ks])))
+            out.append((seg, spec, self._load_cost(costs, seg, window[:, ks], mean[ks],
+                                                   gated_depth(alloc_of(spec)))))
         runs: list[list[int]] = []
         for k in orphans:
             if runs and runs[-1][-1] == k - 1:
@@ -456,9 +460,10 @@ class LoadAwarePolicy(Policy):
         return (self.pricer.cost(alloc_of(spec), self.phase, self.edges[i]).latency_s
                 <= self._slo[i] * self._margin)
 
-    def _load_cost(self, costs: list, seg: list[int], window: np.ndarray, mean) -> LoadCost:
+    def _load_cost(self, costs: list, seg: list[int], window: np.ndarray, mean,
+                   depth: int = 1) -> LoadCost:
         return cost_per_s(costs, window, [float(x) for x in mean], self.metric,
-                          self.queue_slack(costs, seg, mean), self.per_vpod(costs, seg),
+                          self.queue_slack(costs, seg, mean, depth), self.per_vpod(costs, seg),
                           self.phase == "prefill")
 
     def _partition(self, buckets: list[int], window: np.ndarray, mean: np.ndarray,
@@ -479,7 +484,8 @@ class LoadAwarePolicy(Policy):
             if how[j + 1] is None:              # nothing meets this bucket's SLO: its best fit
                 spec = self._fastest(buckets[j]) or fallback[buckets[j]]
                 costs = [self.pricer.cost(alloc_of(spec), self.phase, self.edges[buckets[j]])]
-                c = self._load_cost(costs, [buckets[j]], window[:, [j]], mean[[j]])
+                c = self._load_cost(costs, [buckets[j]], window[:, [j]], mean[[j]],
+                                    gated_depth(alloc_of(spec)))
                 best[j + 1] = best_arr[j + 1] = best[j] + c.per_s
                 how[j + 1] = (j, spec, c.vpods, c.demand_peak, c.per_s, float(mean[j]))
         out = []
@@ -528,7 +534,7 @@ class LoadAwarePolicy(Policy):
                 if lower[r, i] >= best[j + 1]:
                     continue
                 mix = mix_slack(front["lat"][r, i:], front["cyc"][r, i:], front["slo"][i:],
-                                req[i:])
+                                req[i:], int(front["depth"][r]))
                 n = servers_needed(float(peaks[r, i]), mix, int(front["per_vpod"][r]), True)
                 cost = n * float(static[r, 0]) + float(dj[r, i])
                 if float(base[0, i]) + cost < best[j + 1]:
@@ -570,6 +576,7 @@ class LoadAwarePolicy(Policy):
                    "edge": np.array([self.edges[i] for i in key], dtype=np.float64),
                    "static": np.array([a["static"] for _, a in pts]),
                    "per_vpod": per_vpod, "valid": valid,
+                   "depth": np.array([a["depth"] for _, a in pts], dtype=np.int64),
                    "b_max": np.array([_max_busy(int(k), 0.0, 0.05) for k in per_vpod])}
         if len(self._fronts) > 4096:
             self._fronts.clear()
@@ -618,7 +625,7 @@ class LoadAwarePolicy(Policy):
                 "ok": lat <= slo * self._margin,
                 "lat": lat, "cyc": lat / np.array([x.in_flight for x in costs]),
                 "static": static_per_s(c, self.metric),
-                "per_vpod": self.per_vpod(costs, seg)}))
+                "per_vpod": self.per_vpod(costs, seg), "depth": gated_depth(a)}))
         return out
 
     def _pareto_allocs(self, i: int, verified_only: bool):

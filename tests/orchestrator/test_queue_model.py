@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from orchestrator.pricing import erlang_c, mix_slack, servers_needed
+from orchestrator.pricing import (Alloc, erlang_c, gated_depth, mix_slack, pipeline_efficiency,
+                                  pipeline_throughput, servers_needed)
 
 
 def fcfs_miss(k: int, rate: float, service_s, share, slack_s, n: int = 200_000,
@@ -37,7 +38,7 @@ def predicted(k: int, busy: float, service_s, share, slack_s) -> tuple[float, fl
     """(the mix model's miss share, the rule before's: the tightest class's slack counted in
     its own service times)."""
     s, d, w = (np.asarray(x, dtype=np.float64) for x in (service_s, slack_s, share))
-    ww, sl = mix_slack(s, s, d + s, w)
+    ww, sl, _ = mix_slack(s, s, d + s, w)
     c = erlang_c(k, busy)
     return (c * float(ww @ np.exp(-2.0 * (k - busy) * sl)),
             c * math.exp(-2.0 * (k - busy) * float(np.min(d / s))))
@@ -67,10 +68,11 @@ def test_the_mix_model_predicts_the_share_that_waits_past_its_slack(k, util, ser
 
 def test_one_length_is_the_rule_before():
     """One bucket: the slack is its SLO over its latency, minus 1, in cycles - as before."""
-    w, s = mix_slack([2.0], [0.5], [3.0], [7.0])
+    w, s, eta = mix_slack([2.0], [0.5], [3.0], [7.0])
     assert list(w) == [1.0] and s[0] == pytest.approx((3.0 / 2.0 - 1.0) * 2.0 / 0.5)
+    assert eta == 1.0                                  # no pipeline gate: nominal throughput
     for a in (0.4, 3.3, 17.0):
-        assert servers_needed(a, (w, s)) == servers_needed(a, float(s[0]))
+        assert servers_needed(a, (w, s, eta)) == servers_needed(a, float(s[0]))
 
 
 def test_sized_by_the_mix_a_pool_meets_the_target():
@@ -79,8 +81,8 @@ def test_sized_by_the_mix_a_pool_meets_the_target():
     service, share, slack = (0.1, 1.0), (0.8, 0.2), (0.3, 1.0)
     mean = float(np.dot(share, service))
     load = 20.0                                                  # servers' worth of work
-    w, s = mix_slack(service, service, np.add(slack, service), share)
-    n = servers_needed(load, (w, s))
+    mix = mix_slack(service, service, np.add(slack, service), share)
+    n = servers_needed(load, mix)
     old = servers_needed(load, min(d / x for d, x in zip(slack, service)))
     assert old < n
     rate = load / mean
@@ -90,5 +92,57 @@ def test_sized_by_the_mix_a_pool_meets_the_target():
 
 
 def test_no_requests_counts_the_buckets_alike_and_a_missed_slo_leaves_no_slack():
-    w, s = mix_slack([1.0, 2.0], [1.0, 2.0], [0.5, 4.0], [0.0, 0.0])
+    w, s, _ = mix_slack([1.0, 2.0], [1.0, 2.0], [0.5, 4.0], [0.0, 0.0])
     assert list(w) == [0.5, 0.5] and s[0] == 0.0 and s[1] > 0.0
+
+
+def _saturated_vpod_throughput(prompts) -> tuple[float, float]:
+    """Prompts per second a PP 4 vPod's batch-1 virtual engines (``sim.vpod``, the first stage
+    gated) pass when every prompt is there at t=0, and their nominal rate (4 per mean lone
+    time)."""
+    from engine_cases import affine
+    from sim.fastengine import PrefillEngine
+    from sim.vpod import VPodEngines
+    ve = VPodEngines([PrefillEngine(affine(1 << 16), max_batch=1) for _ in range(4)], depth=4)
+    recs = [ve.submit(i, 0.0, int(n), 1) for i, n in enumerate(prompts)]
+    ve.advance_to(1e9)
+    lone = np.array([ve.service_s(int(n)) for n in prompts])
+    return len(prompts) / max(r.first_token_s for r in recs), 4.0 / float(lone.mean())
+
+
+def test_a_batch1_pipeline_passes_less_than_nominal_on_a_mix_and_all_of_it_on_one_length():
+    """The recursion the policy derates a pipelined vPod by is the simulator's gated engines:
+    one length passes its nominal rate, a mix of lengths less - by what the recursion says."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))
+    same = [3000] * 400
+    got, nominal = _saturated_vpod_throughput(same)
+    assert got == pytest.approx(nominal, rel=0.01)
+    rng = np.random.default_rng(5)
+    mixed = rng.choice([200, 600, 1500, 4000, 8000], 2000, p=[0.3, 0.3, 0.2, 0.15, 0.05])
+    got, nominal = _saturated_vpod_throughput(mixed)
+    assert got < 0.95 * nominal                               # the mix's loss is real
+    from engine_cases import affine
+    from sim.fastengine import PrefillEngine
+    e = PrefillEngine(affine(1 << 16), max_batch=1)
+    lone = np.array([e.lone_prompt_s(int(n)) for n in mixed])
+    model = pipeline_throughput((lone / 4).tolist(), [4.0] * len(lone), 4)
+    assert model == pytest.approx(got, rel=0.02)
+    cyc = lone / 4
+    cv2 = float(cyc.var() / cyc.mean() ** 2)
+    assert pipeline_efficiency(4, cv2) == pytest.approx(got / nominal, abs=0.05)
+
+
+def test_only_batch1_pipelines_are_derated():
+    assert gated_depth(Alloc("v6e", "4x2", 8, 2, 4, 1, 1)) == 4
+    assert gated_depth(Alloc("v6e", "4x2", 8, 2, 4, 1, 4)) == 4
+    assert gated_depth(Alloc("v6e", "4x2", 8, 2, 4, 1, 8)) == 1
+    assert gated_depth(Alloc("v6e", "4x2", 8, 8, 1, 1, 1)) == 1
+    assert pipeline_efficiency(1, 3.0) == 1.0 and pipeline_efficiency(4, 0.0) == 1.0
+    effs = [pipeline_efficiency(4, x) for x in (0.05, 0.3, 1.0, 4.0)]
+    assert all(a > b for a, b in zip(effs, effs[1:])) and 0.7 < effs[-1] < effs[0] < 1.0
+    # sized at the derated throughput, a mix takes more vPods than one length
+    _, s, eta = mix_slack([1.0, 8.0], [0.25, 2.0], [3.0, 24.0], [0.7, 0.3], depth=4)
+    assert eta < 0.9
+    assert servers_needed(20.0, ([0.7, 0.3], s, eta)) > servers_needed(20.0, ([0.7, 0.3], s))
