@@ -35,6 +35,7 @@ from dse.models import ModelArch
 from dse.parallel import max_weights_bytes
 from sim.chip import ChipModel
 from sim.lifecycle import CREATE_S, ENGINE_START_S, LOAD_BW_BYTES_PER_S
+from sim.vpod import gated_depth as vpod_gated_depth
 
 
 @dataclass(frozen=True)
@@ -149,10 +150,9 @@ def erlang_c(n: int, a: float) -> float:
 
 
 def gated_depth(a: "Alloc") -> int:
-    """The virtual engines of a prefill vPod whose first stage admits one prompt at a time: its
-    pipeline depth when each virtual engine's micro-batch is one prompt (batch <= PP, as
-    ``sim.vpod.vpod_engines`` builds them), else 1."""
-    return a.pp if a.pp > 1 and a.batch <= a.pp else 1
+    """The virtual engines of a prefill vPod of allocation ``a`` whose first stage admits one
+    prompt at a time (:func:`sim.vpod.gated_depth`), else 1."""
+    return vpod_gated_depth(a.batch, a.pp)
 
 
 # one bucket's prompt lengths spread over it: uniform over the upper half of a doubling, a
@@ -249,16 +249,16 @@ def servers_needed(a: float, slack, per_vpod: int = 1, pooled: bool = True,
     the work ``a`` counted at the share of the nominal throughput the vPods pass."""
     if a <= 0:
         return 0
-    if isinstance(slack, tuple) and len(slack) > 2:
-        a = a / max(slack[2], 1e-3)
-    n_vpods = max(1, math.ceil(a - 1e-9))
+    w = None
     if isinstance(slack, tuple):
-        w, sl = slack[0], slack[1]
-        if pooled and len(sl) > 1:
-            return _servers_for_mix(a, n_vpods, np.asarray(w, dtype=np.float64),
-                                    np.maximum(np.asarray(sl, dtype=np.float64), 0.0),
-                                    max(1, int(per_vpod)), miss, cap)
-        slack = float(np.min(sl)) if len(sl) else math.inf
+        if len(slack) > 2:
+            a = a / max(slack[2], 1e-3)
+        w, sl = (np.asarray(x, dtype=np.float64) for x in slack[:2])
+        sl = np.maximum(sl, 0.0)
+        slack = float(sl.min()) if len(sl) else math.inf
+        if len(sl) < 2 or not pooled:
+            w = None                    # one class, or queues of their own: the tightest
+    n_vpods = max(1, math.ceil(a - 1e-9))
     if math.isinf(slack):
         return n_vpods
     k = max(1, int(per_vpod))
@@ -268,23 +268,13 @@ def servers_needed(a: float, slack, per_vpod: int = 1, pooled: bool = True,
         # (k, slack, miss), so n is the fewest vPods that keep each below it
         b_max = _max_busy(k, round(s, 6), miss)
         return min(cap, max(n_vpods, math.ceil(a * k / b_max - 1e-9)))
+    busy = a * k                        # one pooled queue of n_vpods x k servers
     while n_vpods < cap:
-        servers, busy = (n_vpods * k, a * k) if pooled else (k, a * k / n_vpods)
-        if busy < servers and \
-                erlang_c(servers, busy) * math.exp(-2.0 * (servers - busy) * s) <= miss:
-            break
-        n_vpods += 1
-    return n_vpods
-
-
-def _servers_for_mix(a: float, n_vpods: int, w: np.ndarray, sl: np.ndarray, k: int,
-                     miss: float, cap: int) -> int:
-    """:func:`servers_needed` for a mix of slacks, one pooled queue."""
-    while n_vpods < cap:
-        servers, busy = n_vpods * k, a * k
+        servers = n_vpods * k
         if busy < servers:
-            c = erlang_c(servers, busy)
-            if c * float(w @ np.exp(-2.0 * (servers - busy) * sl)) <= miss:
+            late = (math.exp(-2.0 * (servers - busy) * s) if w is None
+                    else float(w @ np.exp(-2.0 * (servers - busy) * sl)))
+            if erlang_c(servers, busy) * late <= miss:
                 break
         n_vpods += 1
     return n_vpods

@@ -168,6 +168,13 @@ def engine_batch(max_batch: int, pp: int) -> int:
     return -(-max_batch // min(max_batch, pp))
 
 
+def gated_depth(max_batch: int, pp: int) -> int:
+    """The stages whose first one admits a PP vPod's prefill prompts one at a time: ``pp`` when
+    each virtual engine's micro-batch is one prompt (``engine_batch`` 1: batch <= PP), else 1
+    (see :class:`VPodEngines`)."""
+    return pp if pp > 1 and engine_batch(max_batch, pp) == 1 else 1
+
+
 def vpod_engines(table: StepCostTable, phase: str, max_batch: int, pp: int,
                  max_batched_tokens: int, start_s: float) -> VPodEngines:
     """A vPod's prefill or decode engines on its allocation's step-cost table, up at
@@ -177,8 +184,7 @@ def vpod_engines(table: StepCostTable, phase: str, max_batch: int, pp: int,
     return VPodEngines([cls(cost, max_batch=engine_batch(max_batch, pp),
                             max_batched_tokens=max(max_batched_tokens, max_batch),
                             start_s=start_s) for _ in range(pp)],
-                       depth=pp if phase == "prefill" and engine_batch(max_batch, pp) == 1
-                       else 1)
+                       depth=gated_depth(max_batch, pp) if phase == "prefill" else 1)
 
 
 class TableCache:
