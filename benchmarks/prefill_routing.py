@@ -48,18 +48,6 @@ from sim.vpod import TableCache, vpod_engines  # noqa: E402
 SLICE_S = 10.0      # the cluster simulator's slice (PolicyConfig.sample_s)
 
 
-def _gated_submit(v, e: int, k: int, at: float, n: int) -> None:
-    """Give prompt ``k`` to engine ``e`` of vPod ``v`` past its first stage, as
-    :meth:`sim.vpod.VPodEngines.submit` does (a batch-1 pipelined vPod takes one prompt per
-    stage time); its start is projected from the engine's clock, which the slice router
-    advances only at slice ends."""
-    eng = v.engines[e]
-    start = max(eng.now_s, at, v.stage_free_s)
-    eng.submit(k, at, n, 1, not_before_s=v.stage_free_s if v.depth > 1 else None)
-    if v.depth > 1:
-        v.stage_free_s = start + v.stage_s(n)
-
-
 def run(router: str, vpods: int, rho: float, prompts: int, chip: str, topology: str,
         num_chips: int, tp: int, pp: int, seed: int = 0) -> tuple[float, float]:
     row = load_row("llama3-70b:azure-code:energy:prefill", "12:00", 0.25, 1)
@@ -88,12 +76,10 @@ def run(router: str, vpods: int, rho: float, prompts: int, chip: str, topology: 
                     finish[q.req_id] = q.finish_s
             # an engine's clock may run past `at` (the step it is in); a waiting prompt
             # means it is busier still; a pipelined vPod's first stage admits one prompt per
-            # stage time (sim.vpod.VPodEngines.submit)
+            # stage time (sim.vpod.VPodEngines.submit_to)
             _, j, e = min((max(eng.now_s, at, v.stage_free_s) + 1e3 * eng.num_waiting, i, x)
                           for i, v in enumerate(vps) for x, eng in enumerate(v.engines))
-            _gated_submit(vps[j], e, k, at, n)
-            vps[j].loads[e] += 1
-            vps[j].work[e] += n
+            vps[j].submit_to(e, k, at, n, 1)
             continue
         if router == "shipped":
             j = min(range(vpods), key=lambda i: (*vps[i].backlog_s(at), outstanding[i]))
@@ -110,9 +96,7 @@ def run(router: str, vpods: int, rho: float, prompts: int, chip: str, topology: 
         outstanding[j] += n
         v = vps[j]
         e = v.choose(n, 1)                          # by the work given (no arrival time)
-        _gated_submit(v, e, k, at, n)
-        v.loads[e] += 1
-        v.work[e] += n
+        v.submit_to(e, k, at, n, 1)
     for v in vps:
         for q in v.advance_to(1e12):
             finish[q.req_id] = q.finish_s

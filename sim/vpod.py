@@ -5,6 +5,8 @@ simulated backend both build a vPod's engines here."""
 
 from __future__ import annotations
 
+import bisect
+
 from .fastengine import DecodeEngine, PrefillEngine
 from .stepcost import PipelineShare, StepCostTable
 
@@ -48,8 +50,9 @@ class VPodEngines:
         # prefill: when each engine will have served what it was given (projected)
         self.free_at = [max(e.now_s for e in engines) if engines else 0.0] * len(engines)
         self._service: dict[int, float] = {}
-        # prefill, depth > 1: when the first stage can take another prompt's first chunk
-        self.stage_free_s = self.free_at[0] if engines else 0.0
+        # prefill, depth > 1: the first stage's reservations (start, end), by start - a
+        # prompt's first chunk holds it once its engine is free, in whatever order those come
+        self._stage: list[tuple[float, float]] = []
 
     def _work_of(self, r) -> int:
         return r.prompt_tokens if self._prefill else r.output_tokens
@@ -73,13 +76,29 @@ class VPodEngines:
         first = min(prompt, max(1, self.engines[0].max_batched_tokens))
         return self.service_s(first) / self.depth
 
+    @property
+    def stage_free_s(self) -> float:
+        """When the first stage has passed every first chunk reserved on it (0: none)."""
+        return max((e for _, e in self._stage), default=0.0)
+
+    def _stage_slot(self, t_s: float, dur_s: float) -> float:
+        """The earliest start at or after ``t_s`` at which the first stage is free for
+        ``dur_s``."""
+        for a, b in self._stage:
+            if b <= t_s:
+                continue
+            if a >= t_s + dur_s:
+                break
+            t_s = b
+        return t_s
+
     def backlog_s(self, at_s: float) -> tuple[float, float]:
         """Prefill, at ``at_s``: how long until the vPod can start a prompt (an engine free
         and, pipelined, the first stage free), then the work its engines hold (seconds per
         engine) - what a router that knows each vPod's in-flight work at every arrival
         compares (a vPod that can start it now first)."""
         f = self.free_at
-        first = min(f) if self.depth == 1 else max(min(f), self.stage_free_s)
+        first = min(f) if self.depth == 1 else self._stage_slot(max(min(f), at_s), 1e-9)
         return (max(0.0, first - at_s),
                 sum(x - at_s for x in f if x > at_s) / len(f))
 
@@ -100,22 +119,30 @@ class VPodEngines:
         Prefill on a pipelined vPod (``depth`` > 1): each virtual engine runs a prompt's chunks
         one after another, each through every stage (vLLM V1 does not schedule a request
         already in an in-flight micro-batch), and the first stage takes one micro-batch per
-        stage time - so a prompt starts no earlier than the previous one's first chunk has
-        left the first stage. Without that gate ``depth`` prompts arriving together would all
-        start at once, ``depth`` times what the first stage passes."""
-        k = self.choose(prompt, output, arrival_s)
+        stage time - so a prompt starts when its engine is free and the first stage has a
+        slot for its first chunk (a prompt given to a busy engine reserves the stage for when
+        that engine frees, not from now). Without that gate ``depth`` prompts arriving
+        together would all start at once, ``depth`` times what the first stage passes."""
+        return self.submit_to(self.choose(prompt, output, arrival_s), req_id, arrival_s,
+                              prompt, output)
+
+    def submit_to(self, k: int, req_id, arrival_s: float, prompt: int, output: int):
+        """:meth:`submit` to engine ``k`` (a router that picks the engine itself)."""
+        gate = None
         if self._prefill:
-            gate = self.stage_free_s if self.depth > 1 else None
-            start = max(self.free_at[k], arrival_s, gate or 0.0)
-            r = self.engines[k].submit(req_id, arrival_s, prompt, output, not_before_s=gate)
-        else:
-            r = self.engines[k].submit(req_id, arrival_s, prompt, output)
+            start = max(self.free_at[k], arrival_s)
+            if self.depth > 1:
+                st = self._stage
+                while st and st[0][1] <= arrival_s:   # passed before this arrival: done with
+                    st.pop(0)
+                dur = self.stage_s(prompt)
+                start = gate = self._stage_slot(start, dur)
+                bisect.insort(st, (start, start + dur))
+            self.free_at[k] = start + self.service_s(prompt)
+        r = self.engines[k].submit(req_id, arrival_s, prompt, output,
+                                   **({} if gate is None else {"not_before_s": gate}))
         self.loads[k] += 1
         self.work[k] += self._work_of(r)
-        if self._prefill:
-            self.free_at[k] = start + self.service_s(prompt)
-            if self.depth > 1:
-                self.stage_free_s = start + self.stage_s(prompt)
         return r
 
     def advance_to(self, t_s: float) -> list:

@@ -146,3 +146,19 @@ def test_only_a_pipelines_batch1_prefill_engines_are_gated():
     assert vpod_engines(t, "prefill", 8, 4, 8192, 0.0).depth == 1      # 2 per engine
     assert vpod_engines(t, "prefill", 1, 1, 8192, 0.0).depth == 1
     assert vpod_engines(t, "decode", 4, 4, 8192, 0.0).depth == 1
+
+
+def test_a_prompt_behind_a_busy_engine_does_not_hold_the_stage_until_then():
+    """A router that gives a prompt to a busy virtual engine (``submit_to``) reserves the
+    first stage for when that engine frees, not from now: a later prompt on an idle engine
+    passes the stage in the gap."""
+    ve = _pp_prefill(4)
+    long_ = ve.submit_to(0, "long", 0.0, 8000, 1)     # engine 0 busy for a whole pass
+    held = ve.submit_to(0, "held", 0.0, 2000, 1)      # waits for engine 0
+    free = ve.submit_to(1, "free", 0.0, 2000, 1)      # engine 1 is idle
+    ve.advance_to(1e6)
+    pass_8000 = ve.service_s(8000)
+    assert held.first_token_s == pytest.approx(pass_8000 + ve.service_s(2000))
+    # the idle engine starts once the long prompt's first chunk has left the stage
+    assert free.first_token_s == pytest.approx(ve.stage_s(8000) + ve.service_s(2000))
+    assert long_.first_token_s == pytest.approx(pass_8000)
