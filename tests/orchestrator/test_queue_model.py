@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from orchestrator.pricing import (Alloc, erlang_c, gated_depth, mix_slack, pipeline_efficiency,
-                                  pipeline_throughput, servers_needed)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))   # engine_cases
+
+from engine_cases import affine  # noqa: E402
+from orchestrator.pricing import (Alloc, erlang_c, gated_depth, mix_slack,  # noqa: E402
+                                  pipeline_efficiency, pipeline_throughput, servers_needed)
+from sim.fastengine import PrefillEngine  # noqa: E402
+from sim.vpod import VPodEngines  # noqa: E402
 
 
 def fcfs_miss(k: int, rate: float, service_s, share, slack_s, n: int = 200_000,
@@ -100,9 +107,6 @@ def _saturated_vpod_throughput(prompts) -> tuple[float, float]:
     """Prompts per second a PP 4 vPod's batch-1 virtual engines (``sim.vpod``, the first stage
     gated) pass when every prompt is there at t=0, and their nominal rate (4 per mean lone
     time)."""
-    from engine_cases import affine
-    from sim.fastengine import PrefillEngine
-    from sim.vpod import VPodEngines
     ve = VPodEngines([PrefillEngine(affine(1 << 16), max_batch=1) for _ in range(4)], depth=4)
     recs = [ve.submit(i, 0.0, int(n), 1) for i, n in enumerate(prompts)]
     ve.advance_to(1e9)
@@ -113,9 +117,6 @@ def _saturated_vpod_throughput(prompts) -> tuple[float, float]:
 def test_a_batch1_pipeline_passes_less_than_nominal_on_a_mix_and_all_of_it_on_one_length():
     """The recursion the policy derates a pipelined vPod by is the simulator's gated engines:
     one length passes its nominal rate, a mix of lengths less - by what the recursion says."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))
     same = [3000] * 400
     got, nominal = _saturated_vpod_throughput(same)
     assert got == pytest.approx(nominal, rel=0.01)
@@ -123,8 +124,6 @@ def test_a_batch1_pipeline_passes_less_than_nominal_on_a_mix_and_all_of_it_on_on
     mixed = rng.choice([200, 600, 1500, 4000, 8000], 2000, p=[0.3, 0.3, 0.2, 0.15, 0.05])
     got, nominal = _saturated_vpod_throughput(mixed)
     assert got < 0.95 * nominal                               # the mix's loss is real
-    from engine_cases import affine
-    from sim.fastengine import PrefillEngine
     e = PrefillEngine(affine(1 << 16), max_batch=1)
     lone = np.array([e.lone_prompt_s(int(n)) for n in mixed])
     model = pipeline_throughput((lone / 4).tolist(), [4.0] * len(lone), 4)
