@@ -4,11 +4,12 @@ Ideal-at-load (``orchestrator.cluster.accounting.ideal_at_load_report``) prices 
 epoch at its *mean* token rate with ceil(rate / throughput) vPods: no queueing headroom, no
 peak. This replays a row twice through the cluster simulator with the ``neuscale`` policy:
 
-* ``as-is``: the policy as it ships (window peak of the load averaged over a stay, Erlang
-  headroom: :func:`orchestrator.pricing.servers_needed`);
+* ``as-is``: the policy as it ships (the load averaged over a stay, at most 5 % of the
+  window's and of its last epoch's requests waiting past their slack:
+  :func:`orchestrator.pricing.servers_for_window`);
 * ``no-headroom``: the oracle's sizing put in the policy for this run only - every group
-  ceil(demand) vPods (no Erlang term, decode vPods allowed to run every slot busy) and scaled
-  on the last epoch's mean instead of the window's peak (the choice still sees the window).
+  ceil(the last epoch's mean demand) vPods, in its sizing and in the choice (no Erlang term,
+  decode vPods allowed to run every slot busy, no window).
 
 and prints, per variant, the row's efficiency as a fraction of Ideal-at-load and the SLO rate.
 A variant that gets close to the oracle only by missing the SLO shows the oracle is not
@@ -40,24 +41,23 @@ ROWS = ("deepseek-v3:azure-code:energy:decode", "llama3-70b:openthoughts:energy:
         "llama3-8b:lveval:cost:decode", "llama3-70b:lveval:energy:prefill")
 
 
-def _ceil_only(a: float, *_args, **_kw) -> int:
-    return 0 if a <= 0 else max(1, math.ceil(a - 1e-9))
+def _ceil_mean(demand, *_args, recent: int = 0, **_kw) -> int:
+    """ceil of the mean demand of the last ``recent`` samples (all of them without)."""
+    a = np.asarray(demand, dtype=np.float64).ravel()
+    a = a[-recent:] if 0 < recent < a.size else a
+    m = float(a.mean()) if a.size else 0.0
+    return 0 if m <= 0 else max(1, math.ceil(m - 1e-9))
 
 
 def _without_headroom():
     """Put the oracle's sizing into the policy; returns what to restore."""
-    saved = (pricing.servers_needed, loadaware.servers_needed, loadaware._max_busy,
-             loadaware.LoadAwarePolicy._recent_peak)
-    pricing.servers_needed = loadaware.servers_needed = _ceil_only
-    loadaware._max_busy = lambda k, s, m: float(k)
-    loadaware.LoadAwarePolicy._recent_peak = lambda self, s: float(
-        np.asarray(s)[-max(1, round(self.cfg.epoch_s / self.cfg.sample_s)):].mean())
+    saved = (pricing.servers_for_window, loadaware.servers_for_window)
+    pricing.servers_for_window = loadaware.servers_for_window = _ceil_mean
     return saved
 
 
 def _restore(saved) -> None:
-    (pricing.servers_needed, loadaware.servers_needed, loadaware._max_busy,
-     loadaware.LoadAwarePolicy._recent_peak) = saved
+    (pricing.servers_for_window, loadaware.servers_for_window) = saved
 
 
 def measure(row: str, start: str, hours: float) -> list[tuple[float, float]]:

@@ -431,11 +431,7 @@ class Policy:
         /``shrink_factor`` down per ``shrink_period_s``; R is the last epoch's peak or, when
         lower, the EWMA of epoch peaks (updated in ``gs``)."""
         cfg = self.cfg
-        epoch_peak = self._recent_peak(s)
-        gs.ewma_peak = (epoch_peak if gs.ewma_peak == 0.0 else
-                        cfg.ewma_alpha * epoch_peak + (1 - cfg.ewma_alpha) * gs.ewma_peak)
-        r_now = max(epoch_peak, gs.ewma_peak)
-        n_pod = self._n_pod(spec.id, r_now, T)
+        n_pod, r_now = self._target(spec, s, T, gs)
         if n_pod > current:
             cap = max(1, math.floor(current * cfg.growth_per_epoch)) if current else n_pod
             want = min(n_pod, cap)
@@ -449,6 +445,17 @@ class Policy:
                           + (f", at most /{cfg.shrink_factor:g} per "
                              f"{cfg.shrink_period_s / 60:g} min" if want > n_pod else ""))
         return current, "steady"
+
+    def _target(self, spec: GroupSpec, s: np.ndarray, T: float, gs: GroupState
+                ) -> tuple[int, float]:
+        """The vPods the group's load needs before the growth and shrink limits, and the load
+        R it reads (updating the EWMA of epoch peaks in ``gs``): N_pod = ceil(R / T_pod)."""
+        cfg = self.cfg
+        epoch_peak = self._recent_peak(s)
+        gs.ewma_peak = (epoch_peak if gs.ewma_peak == 0.0 else
+                        cfg.ewma_alpha * epoch_peak + (1 - cfg.ewma_alpha) * gs.ewma_peak)
+        r_now = max(epoch_peak, gs.ewma_peak)
+        return self._n_pod(spec.id, r_now, T), r_now
 
     def _queue_tolerance(self, g: str) -> float:
         """How many times its batch slots a group's queue may reach before it is an

@@ -280,6 +280,110 @@ def servers_needed(a: float, slack, per_vpod: int = 1, pooled: bool = True,
     return n_vpods
 
 
+def _levels(demand, bins: int = 24) -> tuple[np.ndarray, np.ndarray]:
+    """A window's demand samples as at most ``bins`` levels and their shares of the window's
+    requests (a sample's share is its demand: requests are work here): the samples sorted and
+    cut into runs of equal count, each run at its highest sample (rounding up, so the miss it
+    gives is an upper bound of the samples')."""
+    a = np.sort(np.maximum(np.asarray(demand, dtype=np.float64).ravel(), 0.0))
+    if len(a) > bins:
+        cuts = _cuts(len(a), bins)
+        lv, wt = a[cuts[1:] - 1], np.add.reduceat(a, cuts[:-1])
+    else:
+        lv, wt = a, a.copy()
+    keep = wt > 0
+    lv, wt = lv[keep], wt[keep]
+    total = float(wt.sum())
+    return lv, (wt / total if total > 0 else wt)
+
+
+@lru_cache(maxsize=256)
+def _cuts(n: int, bins: int) -> np.ndarray:
+    c = np.unique(np.linspace(0, n, bins + 1).astype(np.int64))
+    return c
+
+
+def _erlang_c_vec(n: int, a: np.ndarray) -> np.ndarray:
+    """:func:`erlang_c` for many offered loads at once (1 where ``a >= n``)."""
+    b = np.ones_like(a)
+    for k in range(1, n + 1):
+        b = a * b / (k + a * b)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = n * b / (n - a * (1.0 - b))
+    return np.where(a < n, np.clip(c, 0.0, 1.0), 1.0)
+
+
+@lru_cache(maxsize=4096)
+def _miss_curve(k: int, slack: float) -> np.ndarray:
+    """A k-server queue's share of requests that wait past ``slack`` service times
+    (:func:`servers_needed`'s test) at utilisations 0, 1/512, ..., 1."""
+    rho = np.linspace(0.0, 1.0, 513)
+    b = rho * k
+    return np.where(rho < 1.0, _erlang_c_vec(k, b) * np.exp(-2.0 * (k - b) * slack), 1.0)
+
+
+def window_miss(n_vpods: int, levels: np.ndarray, shares: np.ndarray, slack, per_vpod: int = 1,
+                pooled: bool = True) -> float:
+    """The share of a window's requests that wait past their slack on ``n_vpods`` vPods, the
+    window's load quasi-static (each level a steady state of its own: a level's queue settles
+    within seconds of prefill or a decode slot's stay, well inside the 10-s samples it
+    stands for); a level at or above the vPods' capacity misses for all its requests.
+    ``slack``: as :func:`servers_needed` (a number, or a mix ``(weights, slacks[, eta])``,
+    whose efficiency the caller has already divided the levels by)."""
+    if n_vpods <= 0:
+        return 1.0 if len(levels) else 0.0
+    k = max(1, int(per_vpod))
+    if isinstance(slack, tuple):
+        w, sl = (np.maximum(np.asarray(x, dtype=np.float64), 0.0) for x in slack[:2])
+        if len(sl) < 2 or not pooled:
+            w, sl = np.ones(1), np.array([float(sl.min()) if len(sl) else math.inf])
+    else:
+        w, sl = np.ones(1), np.array([max(float(slack), 0.0)])
+    if not pooled:                  # every vPod its own k-server queue at levels / n
+        rho = np.minimum(levels / n_vpods, 1.0)
+        curve = _miss_curve(k, round(float(sl.min()), 6))
+        m = curve[np.minimum(np.ceil(rho * 512 - 1e-9).astype(int), 512)]   # rounded up
+        return float(shares @ m)
+    servers = n_vpods * k
+    busy = levels * k
+    late = np.exp(-2.0 * np.maximum(servers - busy, 0.0)[:, None] * sl[None, :]) @ (w / w.sum())
+    m = np.where(busy < servers, _erlang_c_vec(servers, busy) * late, 1.0)
+    return float(shares @ np.minimum(m, 1.0))
+
+
+def servers_for_window(demand, slack, per_vpod: int = 1, pooled: bool = True,
+                       miss: float = 0.05, cap: int = 4096, recent: int = 0) -> int:
+    """The fewest vPods for which at most ``miss`` of a window's requests wait past their
+    slack (:func:`window_miss` over the window's demand samples, in vPods), where
+    :func:`servers_needed` holds every sample to it: the SLO is a share of requests, and a
+    10-s sample's peak above the window's level is mostly the Poisson noise the queue model
+    already counts (a chat load of ~2 prompts/s: ~20 a sample, +-22 %). Never more than
+    the peak sample's answer; ``slack = inf``: that answer (the paper's N = R / T).
+    ``recent``: the target holds over the last ``recent`` samples too (a rising load's last
+    epoch is what the next one resembles, not the window's average)."""
+    a = np.maximum(np.asarray(demand, dtype=np.float64).ravel(), 0.0)
+    if 0 < recent < a.size:
+        return max(servers_for_window(a, slack, per_vpod, pooled, miss, cap),
+                   servers_for_window(a[-recent:], slack, per_vpod, pooled, miss, cap))
+    if not a.size or float(a.max()) <= 0.0:
+        return 0
+    hi = servers_needed(float(a.max()), slack, per_vpod, pooled, miss, cap)
+    if not isinstance(slack, tuple) and math.isinf(slack):
+        return hi
+    if isinstance(slack, tuple) and len(slack) > 2:
+        a = a / max(slack[2], 1e-3)
+    lv, sh = _levels(a)
+    # fewer than (1 - miss) x the mean leaves at least ``miss`` of the work above capacity
+    lo = max(1, min(hi, math.ceil((1.0 - miss) * float(a.mean()) - 1e-9)))
+    while lo < hi:                  # the miss only falls with more vPods
+        mid = (lo + hi) // 2
+        if window_miss(mid, lv, sh, slack, per_vpod, pooled) <= miss:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
 @lru_cache(maxsize=4096)
 def _max_busy(k: int, slack: float, miss: float) -> float:
     """The largest mean number of busy servers ``b`` of a k-server queue for which a request
@@ -302,15 +406,15 @@ def static_per_s(c: PointCost, metric: str) -> float:
 
 def cost_per_s(costs: Sequence[PointCost], peak_rates: np.ndarray, mean_rates: Sequence[float],
                metric: str, slack: float = math.inf, per_vpod: int = 1,
-               pooled: bool = True) -> LoadCost:
+               pooled: bool = True, recent: int = 0) -> LoadCost:
     """Serving per-bucket token rates with one allocation (``costs[k]``: its numbers at bucket
-    ``k``'s length). ``peak_rates``: samples x buckets (the window's last epoch), sizing the
-    vPods (:func:`servers_needed` with the allocation's ``slack``); ``mean_rates``: tokens/s per
-    bucket, paying the dynamic energy."""
+    ``k``'s length). ``peak_rates``: samples x buckets (the window), sizing the vPods
+    (:func:`servers_for_window` with the allocation's ``slack``, the last ``recent`` samples
+    too); ``mean_rates``: tokens/s per bucket, paying the dynamic energy."""
     inv_t = np.array([1.0 / c.throughput_tok_per_s for c in costs])
     demand = np.asarray(peak_rates, dtype=np.float64) @ inv_t if len(inv_t) else np.zeros(1)
     peak = float(demand.max()) if demand.size else 0.0
-    n = servers_needed(peak, slack, per_vpod, pooled)
+    n = servers_for_window(demand, slack, per_vpod, pooled, recent=recent)
     per_s = n * static_per_s(costs[0], metric)
     if metric == "energy":
         per_s += sum(r * c.dyn_j_per_token for r, c in zip(mean_rates, costs))
@@ -326,4 +430,5 @@ def startup_cost(c: PointCost, vpods: int, metric: str) -> float:
 
 __all__ = ["Alloc", "ChipModelPricer", "LoadCost", "PointCost", "Pricer", "cost_per_s",
            "erlang_c", "gated_depth", "mix_slack", "pipeline_efficiency",
-           "pipeline_throughput", "servers_needed", "startup_cost", "static_per_s"]
+           "pipeline_throughput", "servers_for_window", "servers_needed", "startup_cost",
+           "static_per_s", "window_miss"]

@@ -381,10 +381,11 @@ def test_the_load_is_averaged_over_a_stay_not_a_samples_noise(db, pricer, phase,
     (g_raw,), (g_long,) = raw.rates, long.rates
     # the averaged load's peak is well below the raw peak (its mean is the same) ...
     assert samples.mean() < long.rates[g_long] < 0.75 * raw.rates[g_raw]
-    # ... and it needs less: fewer vPods, or the same allocation cannot be larger
+    # ... and it needs no more (the sizing's 5 % share of the window's requests already
+    # reads through most of a sample's noise: servers_for_window)
     cap = lambda p: sum(p.target[g] * p.groups[g].entry.max_batch  # noqa: E731
                         * p.groups[g].entry.num_chips for g in p.target)
-    assert cap(long) < cap(raw)
+    assert cap(long) <= cap(raw)
 
 
 def test_the_simulator_notes_each_stay_at_its_counted_bucket(db, monkeypatch):
