@@ -51,7 +51,9 @@ class VPodEngines:
         self.free_at = [max(e.now_s for e in engines) if engines else 0.0] * len(engines)
         self._service: dict[int, float] = {}
         # prefill, depth > 1: the first stage's reservations (start, end), by start - a
-        # prompt's first chunk holds it once its engine is free, in whatever order those come
+        # prompt's first chunk holds it once its engine is free, in whatever order those come.
+        # Back-to-back reservations are one block: a busy stage is one interval, however many
+        # prompts wait for it (a search is then over its gaps, not its prompts)
         self._stage: list[tuple[float, float]] = []
 
     def _work_of(self, r) -> int:
@@ -84,7 +86,9 @@ class VPodEngines:
     def _stage_slot(self, t_s: float, dur_s: float) -> float:
         """The earliest start at or after ``t_s`` at which the first stage is free for
         ``dur_s``."""
-        for a, b in self._stage:
+        st = self._stage
+        for k in range(max(0, bisect.bisect_right(st, t_s, key=_start) - 1), len(st)):
+            a, b = st[k]
             if b <= t_s:
                 continue
             if a >= t_s + dur_s:
@@ -92,13 +96,29 @@ class VPodEngines:
             t_s = b
         return t_s
 
+    def _reserve(self, a: float, b: float) -> None:
+        """Hold the first stage over [a, b) (free there: :meth:`_stage_slot`), merged with the
+        blocks it touches - within a nanosecond, the rounding of a stage time summed against
+        a pass: no slot (:meth:`backlog_s` asks for a nanosecond) fits a shorter gap, so the
+        schedule is the same."""
+        st = self._stage
+        i = bisect.bisect_left(st, a, key=_start)
+        if i > 0 and st[i - 1][1] >= a - _TOUCH_S:
+            i -= 1
+            a, b = st[i][0], max(b, st[i][1])
+            del st[i]
+        while i < len(st) and st[i][0] <= b + _TOUCH_S:
+            b = max(b, st[i][1])
+            del st[i]
+        st.insert(i, (a, b))
+
     def backlog_s(self, at_s: float) -> tuple[float, float]:
         """Prefill, at ``at_s``: how long until the vPod can start a prompt (an engine free
         and, pipelined, the first stage free), then the work its engines hold (seconds per
         engine) - what a router that knows each vPod's in-flight work at every arrival
         compares (a vPod that can start it now first)."""
         f = self.free_at
-        first = min(f) if self.depth == 1 else self._stage_slot(max(min(f), at_s), 1e-9)
+        first = min(f) if self.depth == 1 else self._stage_slot(max(min(f), at_s), _TOUCH_S)
         return (max(0.0, first - at_s),
                 sum(x - at_s for x in f if x > at_s) / len(f))
 
@@ -137,7 +157,7 @@ class VPodEngines:
                     st.pop(0)
                 dur = self.stage_s(prompt)
                 start = gate = self._stage_slot(start, dur)
-                bisect.insort(st, (start, start + dur))
+                self._reserve(start, start + dur)
             self.free_at[k] = start + self.service_s(prompt)
         r = self.engines[k].submit(req_id, arrival_s, prompt, output,
                                    **({} if gate is None else {"not_before_s": gate}))
@@ -242,3 +262,10 @@ class TableCache:
 
     def __len__(self) -> int:
         return len(self._tables)
+
+
+_TOUCH_S = 1e-9      # reservations closer than this are one block (VPodEngines._reserve)
+
+
+def _start(iv: tuple[float, float]) -> float:
+    return iv[0]

@@ -162,3 +162,22 @@ def test_a_prompt_behind_a_busy_engine_does_not_hold_the_stage_until_then():
     # the idle engine starts once the long prompt's first chunk has left the stage
     assert free.first_token_s == pytest.approx(ve.stage_s(8000) + ve.service_s(2000))
     assert long_.first_token_s == pytest.approx(pass_8000)
+
+
+def test_a_busy_stage_is_one_reservation_however_many_prompts_wait():
+    """400 prompts at once on a PP4 vPod: the stage's back-to-back reservations are one block,
+    so finding the next slot does not walk the queue (the 64x sweep's Base pools hold
+    thousands of waiting prompts on hundreds of vPods, searched at every arrival), and the
+    schedule is the one the block stands for: the next free slot at its end; a prompt given
+    to a busy engine keeps its own block until the gap before it is filled."""
+    ve = _pp_prefill(4)
+    stage = ve.stage_s(2000)
+    for i in range(400):
+        ve.submit(i, 0.0, 2000, 1)
+    assert len(ve._stage) == 1
+    assert ve.stage_free_s == pytest.approx(400 * stage)
+    assert ve._stage_slot(0.0, stage) == pytest.approx(400 * stage)
+    gap = ve.submit_to(1, "later", 0.0, 2000, 1)       # engine 1's turn comes later still
+    assert ve.free_at[1] > ve.stage_free_s - stage
+    ve.advance_to(1e7)
+    assert gap.first_token_s >= 400 * stage
