@@ -17,11 +17,15 @@ at the throughput of one bucket. Both go wrong away from full load:
   bucket (all allowed chips) on the chip model (:mod:`orchestrator.pricing`) - latency at each of
   its buckets (every one must meet its bucket's SLO), throughput and dynamic energy per token at
   each bucket's length, static power and price - and takes the one whose cost of serving the
-  group's last-epoch load is least: ``N = ceil(peak demand)`` vPods' static cost plus the
-  tokens' dynamic energy (dollars: ``N`` x price).
+  group's load is least: ``N`` vPods' static cost (sized as below) plus the tokens' dynamic
+  energy (dollars: ``N`` x price).
 
 * **Load over a stay.** Each bucket's samples are averaged over its requests' mean stay on a
-  vPod (:meth:`LoadAwarePolicy._window`) before the window's peak is taken.
+  vPod (:meth:`LoadAwarePolicy._window`).
+* **A share of requests.** The 5 % below is a share of the window's requests (and of its last
+  epoch's), each 10-s sample a steady state of its own
+  (:func:`orchestrator.pricing.servers_for_window`), not a bound every sample - in practice the
+  window's peak - must keep: that peak is mostly Poisson noise the queue model counts already.
 * **Headroom.** A request's TTFT is its wait plus its prefill, and the best fit is the most
   efficient allocation whose prefill *alone* meets the SLO - often within a few per cent of it
   (Llama3-70B's 20 K-token bucket: 4.29 s against 4.40 s). Sized at N = R / T, a group runs at

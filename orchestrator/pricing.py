@@ -15,9 +15,9 @@ where it will run):
 * ``startup_s`` - Table 3's creation + engine start + weight download and load (the time a new
   vPod costs static power before it serves).
 
-:func:`cost_per_s` turns these into the cost of serving a load: ``N = ceil(peak demand)`` vPods
-(demand in vPods: tokens/s over the throughput at each bucket's length) paying static cost, plus
-the dynamic energy of the tokens.
+:func:`cost_per_s` turns these into the cost of serving a load: ``N`` vPods
+(:func:`servers_for_window` over the window's demand in vPods: tokens/s over the throughput at
+each bucket's length) paying static cost, plus the dynamic energy of the tokens.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class CalibratedPricer:
 @dataclass(frozen=True)
 class LoadCost:
     """A candidate's cost of serving a load."""
-    vpods: int                  # ceil(peak demand)
+    vpods: int                  # servers_for_window over the window's demand
     per_s: float                # J/s (energy) or $/s (cost)
     per_token: float            # per served token at the mean load
     demand_peak: float          # vPods' worth of work at the peak
