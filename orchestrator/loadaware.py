@@ -285,9 +285,8 @@ class LoadAwarePolicy(Policy):
         if need <= want:
             return want, why
         if need < new:
-            return need, why2 + f"; at most the {need} the epoch's peak demand needs"
+            return need, why2 + f"; at most the {need} the epoch's demand needs"
         return new, why2
-
 
     # ---- grouping and choice: the cheapest partition at load ----------------------------------
     def _regroup(self, load: _GroupLoad, specs: dict[str, GroupSpec], obs: Observation,
@@ -308,9 +307,8 @@ class LoadAwarePolicy(Policy):
                 state: PolicyState, actions: list[Action]) -> None:
         b2g = load.b2g
         buckets = sorted(b2g)
-        n_epoch = max(1, int(round(self.cfg.epoch_s / self.cfg.sample_s)))
         window = load.matrix(buckets)             # sizing: the window (_target)
-        mean = window[-n_epoch:].mean(axis=0)
+        mean = window[-self._n_epoch:].mean(axis=0)
         fallback = {i: specs[b2g[i]] for i in buckets}
         new = self._partition(buckets, window, mean, fallback)
         cur = self._current_partition(buckets, window, mean, state, fallback)

@@ -299,8 +299,7 @@ def _levels(demand, bins: int = 24) -> tuple[np.ndarray, np.ndarray]:
 
 @lru_cache(maxsize=256)
 def _cuts(n: int, bins: int) -> np.ndarray:
-    c = np.unique(np.linspace(0, n, bins + 1).astype(np.int64))
-    return c
+    return np.unique(np.linspace(0, n, bins + 1).astype(np.int64))
 
 
 def _erlang_c_vec(n: int, a: np.ndarray) -> np.ndarray:
