@@ -249,15 +249,9 @@ def servers_needed(a: float, slack, per_vpod: int = 1, pooled: bool = True,
     the work ``a`` counted at the share of the nominal throughput the vPods pass."""
     if a <= 0:
         return 0
-    w = None
-    if isinstance(slack, tuple):
-        if len(slack) > 2:
-            a = a / max(slack[2], 1e-3)
-        w, sl = (np.asarray(x, dtype=np.float64) for x in slack[:2])
-        sl = np.maximum(sl, 0.0)
-        slack = float(sl.min()) if len(sl) else math.inf
-        if len(sl) < 2 or not pooled:
-            w = None                    # one class, or queues of their own: the tightest
+    w, sl, eta = _queue_of(slack, pooled)
+    a = a / eta
+    slack = float(sl.min())
     n_vpods = max(1, math.ceil(a - 1e-9))
     if math.isinf(slack):
         return n_vpods
@@ -278,6 +272,20 @@ def servers_needed(a: float, slack, per_vpod: int = 1, pooled: bool = True,
                 break
         n_vpods += 1
     return n_vpods
+
+
+def _queue_of(slack, pooled: bool) -> tuple[np.ndarray | None, np.ndarray, float]:
+    """:func:`servers_needed`'s ``slack`` argument as (class weights, or None for one class
+    or queues of their own - then the tightest slack counts; the classes' slacks, at least 0;
+    the share of nominal throughput the vPods pass)."""
+    if not isinstance(slack, tuple):
+        return None, np.array([max(float(slack), 0.0)]), 1.0
+    eta = max(slack[2], 1e-3) if len(slack) > 2 else 1.0
+    w, sl = (np.asarray(x, dtype=np.float64) for x in slack[:2])
+    sl = np.maximum(sl, 0.0)
+    if len(sl) < 2 or not pooled:
+        return None, np.array([float(sl.min()) if len(sl) else math.inf]), eta
+    return w, sl, eta
 
 
 def _levels(demand, bins: int = 24) -> tuple[np.ndarray, np.ndarray]:
@@ -332,12 +340,8 @@ def window_miss(n_vpods: int, levels: np.ndarray, shares: np.ndarray, slack, per
     if n_vpods <= 0:
         return 1.0 if len(levels) else 0.0
     k = max(1, int(per_vpod))
-    if isinstance(slack, tuple):
-        w, sl = (np.maximum(np.asarray(x, dtype=np.float64), 0.0) for x in slack[:2])
-        if len(sl) < 2 or not pooled:
-            w, sl = np.ones(1), np.array([float(sl.min()) if len(sl) else math.inf])
-    else:
-        w, sl = np.ones(1), np.array([max(float(slack), 0.0)])
+    w, sl, _ = _queue_of(slack, pooled)
+    w = np.ones(1) if w is None else np.maximum(w, 0.0)
     if not pooled:                  # every vPod its own k-server queue at levels / n
         rho = np.minimum(levels / n_vpods, 1.0)
         curve = _miss_curve(k, round(float(sl.min()), 6))
@@ -369,9 +373,7 @@ def servers_for_window(demand, slack, per_vpod: int = 1, pooled: bool = True,
     hi = servers_needed(float(a.max()), slack, per_vpod, pooled, miss, cap)
     if not isinstance(slack, tuple) and math.isinf(slack):
         return hi
-    if isinstance(slack, tuple) and len(slack) > 2:
-        a = a / max(slack[2], 1e-3)
-    lv, sh = _levels(a)
+    lv, sh = _levels(a / _queue_of(slack, pooled)[2])
     # fewer than (1 - miss) x the mean leaves at least ``miss`` of the work above capacity
     lo = max(1, min(hi, math.ceil((1.0 - miss) * float(a.mean()) - 1e-9)))
     while lo < hi:                  # the miss only falls with more vPods

@@ -80,8 +80,9 @@ class VPodEngines:
 
     @property
     def stage_free_s(self) -> float:
-        """When the first stage has passed every first chunk reserved on it (0: none)."""
-        return max((e for _, e in self._stage), default=0.0)
+        """When the first stage has passed every first chunk reserved on it (0: none): the
+        last block's end (blocks are disjoint and by start)."""
+        return self._stage[-1][1] if self._stage else 0.0
 
     def _stage_slot(self, t_s: float, dur_s: float) -> float:
         """The earliest start at or after ``t_s`` at which the first stage is free for
