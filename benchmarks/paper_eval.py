@@ -43,15 +43,26 @@ PAPER = {"energy": 1.13, "cost": 1.43, "slo": 1.36}    # §5.2-5.3's geometric m
 
 
 def run_one(job: tuple) -> str:
-    kind, model, trace, metric, hours, start, scale, out_dir = job
+    kind, model, trace, metric, hours, start, scale, out_dir, *rest = job
+    rerun = tuple(rest[0]) if rest else ()
     stem = (f"{model}-{trace}-{metric}" if kind == "grid"
             else f"sweep-{model}-{trace}-{metric}-x{scale:g}")
     path = Path(out_dir) / f"{stem}.json"
+    kept = None
     if path.exists():
-        return f"{path} (kept)"
+        if not rerun:
+            return f"{path} (kept)"
+        kept = json.loads(path.read_text())
+        if (kept.get("hours"), kept.get("rate_scale")) != (hours, scale):
+            raise ValueError(f"{path} was run for {kept.get('hours')} h at "
+                             f"x{kept.get('rate_scale')}, not {hours:g} h at x{scale:g}: "
+                             "--rerun needs the same grid")
     arch, cat = load_model(model), default_catalog()
     db = verified_db(arch, metric, progress=False)
     tr = load_trace(trace, hours=hours if hours < 24 else None, start=start)
+    if kept is not None and kept.get("summary") != json.loads(json.dumps(tr.summary())):
+        raise ValueError(f"{path} was run on another window of {trace} (its summary "
+                         "differs): --rerun needs the same grid")
     arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
                      np.asarray(tr.output_tokens))
     if kind == "sweep" and scale != 1:
@@ -61,7 +72,11 @@ def run_one(job: tuple) -> str:
     res = {"kind": kind, "model": model, "trace": trace, "metric": metric, "rate_scale": scale,
            "hours": hours, "summary": tr.summary(), "note": tr.note, "policies": {},
            "wall_s": {}}
+    if kept is not None:             # only the named columns again; the others as they were
+        res = kept
     for name in SIMULATED:
+        if kept is not None and name not in rerun:
+            continue
         t = time.perf_counter()
         sim = ClusterSim(arch, db, make_policies(name, db, cfg.policy, inp, out, None, cat,
                                                  pricer), cfg, cat)
@@ -70,6 +85,8 @@ def run_one(job: tuple) -> str:
     for name, fn in (("ideal", lambda: ideal_report(arch, db, arr, inp, out, cat)),
                      ("ideal-at-load",
                       lambda: ideal_at_load_report(arch, db, arr, inp, out, pricer))):
+        if kept is not None and name not in rerun:
+            continue
         t = time.perf_counter()
         res["policies"][name] = {ph: r.to_json() for ph, r in fn().items()}
         res["wall_s"][name] = time.perf_counter() - t
@@ -219,6 +236,9 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"{flag} must be in (0, 24] (got {v:g})")
     if args.jobs < 1:
         ap.error(f"--jobs must be >= 1 (got {args.jobs})")
+    bad = [x for x in args.rerun.split(",") if x and x not in COLS]
+    if bad:
+        ap.error(f"--rerun: unknown {', '.join(bad)}; known: {', '.join(COLS)}")
     from dse.errors import NeuScaleError
     from sim.traces import _parse_start
     for flag, v in (("--start", args.start), ("--sweep-start", args.sweep_start)):
@@ -248,6 +268,11 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--rerun", default="", metavar="COLUMNS",
+                    help="re-run only these columns (comma-separated, of "
+                    f"{','.join(COLS)}) in the JSONs --out already holds, keeping the "
+                    "others: for a change that touches only those policies (say so beside "
+                    "the results); missing JSONs are run whole")
     args = ap.parse_args()
     _check_args(ap, args)
     out = Path(args.out)
@@ -258,18 +283,23 @@ def main() -> None:
         for m in models:               # build the verified DBs once, before the workers
             for metric in metrics:
                 verified_db(load_model(m), metric, progress=False)
-        jobs = [("grid", m, t, metric, args.hours, args.start, 1.0, str(out)) for m in models
-                for t in args.traces.split(",") for metric in metrics]
+        rerun = tuple(x for x in args.rerun.split(",") if x)
+        jobs = [("grid", m, t, metric, args.hours, args.start, 1.0, str(out), rerun)
+                for m in models for t in args.traces.split(",") for metric in metrics]
         if not args.no_sweep:
             jobs += [("sweep", m, "azure-code", args.sweep_metric, args.sweep_hours,
-                      args.sweep_start, float(s), str(out))
+                      args.sweep_start, float(s), str(out), rerun)
                      for m in args.sweep_models.split(",")
                      for s in args.sweep_scales.split(",")]
         # the longest first, so the pool's tail is short
         jobs.sort(key=lambda j: (j[1] != "deepseek-v3", j[0] != "sweep", -j[6]))
         with get_context("fork").Pool(args.jobs) as pool:
-            for msg in pool.imap_unordered(run_one, jobs):
-                print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", flush=True)
+            try:
+                for msg in pool.imap_unordered(run_one, jobs):
+                    print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", flush=True)
+            except ValueError as e:          # a kept JSON --rerun cannot extend
+                pool.terminate()
+                ap.exit(2, f"error: {e}\n")
     print(grid_table(out))
     print()
     print(sweep_table(out))

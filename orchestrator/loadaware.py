@@ -112,6 +112,7 @@ class LoadAwarePolicy(Policy):
         self.metric = db.meta.get("metric", "energy")
         self._slack: dict[str, tuple] = {}     # per group: servers_needed's queue
         self._tol: dict[str, float] = {}       # per group: its tightest bucket's slack
+        self._ahead: dict[str, float] = {}     # per group: samples until a next plan serves
         # decode: TPOT at the point's batch <= margin x SLO (PolicyConfig.decode_step_margin:
         # 1, the DSE's test, by default - see there why not less)
         self._margin = 1.0 if phase == "prefill" else config.decode_step_margin
@@ -217,6 +218,7 @@ class LoadAwarePolicy(Policy):
         self._slack[g] = (self.queue_slack(costs, buckets, rates, gated_depth(a)),
                           self.per_vpod(costs, buckets), self.phase == "prefill")
         self._tol[g] = self.slack(costs, buckets)
+        self._ahead[g] = self._ahead_of(costs[-1].startup_s)
         t_ref = costs[-1].throughput_tok_per_s
         weight = {i: t_ref / c.throughput_tok_per_s for i, c in zip(buckets, costs)}
         return load.weighted(g, weight), t_ref
@@ -243,7 +245,12 @@ class LoadAwarePolicy(Policy):
     def _n_series(self, g: str, s: np.ndarray, T: float) -> int:
         slack, per_vpod, pooled = self._slack.get(g, (math.inf, 1, True))
         return servers_for_window(np.asarray(s) / T, slack, per_vpod, pooled,
-                                  recent=self._n_epoch)
+                                  recent=self._n_epoch, ahead=self._ahead.get(g, 0.0))
+
+    def _ahead_of(self, startup_s: float) -> float:
+        """Samples from a plan to when the next plan's vPods of an allocation that starts in
+        ``startup_s`` can serve: what this plan sizes must carry the load until then."""
+        return (self.cfg.epoch_s + startup_s) / self.cfg.sample_s
 
     def _queue_tolerance(self, g: str) -> float:
         """A prefill group's requests may wait ``slack`` cycles within their SLO (its sizing
@@ -482,7 +489,8 @@ class LoadAwarePolicy(Policy):
                    depth: int = 1) -> LoadCost:
         return cost_per_s(costs, window, [float(x) for x in mean], self.metric,
                           self.queue_slack(costs, seg, mean, depth), self.per_vpod(costs, seg),
-                          self.phase == "prefill", recent=self._n_epoch)
+                          self.phase == "prefill", recent=self._n_epoch,
+                          ahead=self._ahead_of(costs[-1].startup_s))
 
     def _partition(self, buckets: list[int], window: np.ndarray, mean: np.ndarray,
                    fallback: dict[int, GroupSpec]) -> list:
@@ -565,7 +573,7 @@ class LoadAwarePolicy(Policy):
             else:
                 q = 0.0
             n = servers_for_window(series[:, r, i], q, int(front["per_vpod"][r]), prefill,
-                                   recent=self._n_epoch)
+                                   recent=self._n_epoch, ahead=float(front["ahead"][r]))
             cost = n * float(static[r, 0]) + float(dj[r, i])
             if float(base[0, i]) + cost < best[j + 1]:
                 best[j + 1] = best_arr[j + 1] = float(base[0, i]) + cost
@@ -594,7 +602,8 @@ class LoadAwarePolicy(Policy):
                    "edge": np.array([self.edges[i] for i in key], dtype=np.float64),
                    "static": np.array([a["static"] for _, a in pts]),
                    "per_vpod": per_vpod, "valid": valid,
-                   "depth": np.array([a["depth"] for _, a in pts], dtype=np.int64)}
+                   "depth": np.array([a["depth"] for _, a in pts], dtype=np.int64),
+                   "ahead": np.array([self._ahead_of(a["startup_s"]) for _, a in pts])}
         if len(self._fronts) > 4096:
             self._fronts.clear()
         self._fronts[key] = out
@@ -642,7 +651,8 @@ class LoadAwarePolicy(Policy):
                 "ok": lat <= slo * self._margin,
                 "lat": lat, "cyc": lat / np.array([x.in_flight for x in costs]),
                 "static": static_per_s(c, self.metric),
-                "per_vpod": self.per_vpod(costs, seg), "depth": gated_depth(a)}))
+                "per_vpod": self.per_vpod(costs, seg), "depth": gated_depth(a),
+                "startup_s": c.startup_s}))
         return out
 
     def _pareto_allocs(self, i: int, verified_only: bool):

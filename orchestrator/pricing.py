@@ -29,6 +29,7 @@ from functools import lru_cache
 from typing import Protocol, Sequence
 
 import numpy as np
+from scipy.special import gammaln, pdtr
 
 from dse.catalog import Catalog
 from dse.models import ModelArch
@@ -141,8 +142,14 @@ class LoadCost:
     demand_peak: float          # vPods' worth of work at the peak
 
 
+# servers up to which Erlang B's recursion (n steps) is cheaper than its closed form
+_RECURSE_UP_TO = 32
+
+
 def erlang_c(n: int, a: float) -> float:
     """Probability that an arrival waits in an M/M/n queue with offered load ``a`` (< n)."""
+    if n > _RECURSE_UP_TO:
+        return float(_erlang_c_vec(n, np.array([float(a)]))[0])
     b = 1.0
     for k in range(1, n + 1):                      # Erlang B by the stable recursion
         b = a * b / (k + a * b)
@@ -311,13 +318,20 @@ def _cuts(n: int, bins: int) -> np.ndarray:
 
 
 def _erlang_c_vec(n: int, a: np.ndarray) -> np.ndarray:
-    """:func:`erlang_c` for many offered loads at once (1 where ``a >= n``)."""
-    b = np.ones_like(a)
-    for k in range(1, n + 1):
-        b = a * b / (k + a * b)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    """:func:`erlang_c` for many offered loads at once (1 where ``a >= n``). Erlang B is a
+    Poisson(a) variable's P(X = n) / P(X <= n) (in closed form: a few array operations
+    whatever n, where the textbook recursion takes n of them - pools of hundreds of servers
+    are sized thousands of times a plan)."""
+    a = np.asarray(a, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if n <= _RECURSE_UP_TO:
+            b = np.ones_like(a)
+            for k in range(1, n + 1):
+                b = a * b / (k + a * b)
+        else:
+            b = np.exp(n * np.log(a) - a - gammaln(n + 1.0)) / pdtr(n, a)
         c = n * b / (n - a * (1.0 - b))
-    return np.where(a < n, np.clip(c, 0.0, 1.0), 1.0)
+    return np.where(a < n, np.clip(np.where(a > 0, c, 0.0), 0.0, 1.0), 1.0)
 
 
 @lru_cache(maxsize=4096)
@@ -337,25 +351,79 @@ def window_miss(n_vpods: int, levels: np.ndarray, shares: np.ndarray, slack, per
     stands for); a level at or above the vPods' capacity misses for all its requests.
     ``slack``: as :func:`servers_needed` (a number, or a mix ``(weights, slacks[, eta])``,
     whose efficiency the caller has already divided the levels by)."""
-    if n_vpods <= 0:
-        return 1.0 if len(levels) else 0.0
+    return float(window_misses(np.array([n_vpods]), levels, shares, slack, per_vpod,
+                               pooled)[0])
+
+
+def window_misses(n_vpods: np.ndarray, levels: np.ndarray, shares: np.ndarray, slack,
+                  per_vpod: int = 1, pooled: bool = True) -> np.ndarray:
+    """:func:`window_miss` for several vPod counts at once (one Erlang pass for all)."""
+    ns = np.asarray(n_vpods, dtype=np.int64)
+    levels = np.asarray(levels, dtype=np.float64)
+    if not len(levels):
+        return np.zeros(len(ns))
     k = max(1, int(per_vpod))
     w, sl, _ = _queue_of(slack, pooled)
     w = np.ones(1) if w is None else np.maximum(w, 0.0)
+    pos = np.maximum(ns, 1)
     if not pooled:                  # every vPod its own k-server queue at levels / n
-        rho = np.minimum(levels / n_vpods, 1.0)
+        rho = np.minimum(levels[None, :] / pos[:, None], 1.0)
         curve = _miss_curve(k, round(float(sl.min()), 6))
         m = curve[np.minimum(np.ceil(rho * 512 - 1e-9).astype(int), 512)]   # rounded up
-        return float(shares @ m)
-    servers = n_vpods * k
-    busy = levels * k
-    late = np.exp(-2.0 * np.maximum(servers - busy, 0.0)[:, None] * sl[None, :]) @ (w / w.sum())
-    m = np.where(busy < servers, _erlang_c_vec(servers, busy) * late, 1.0)
-    return float(shares @ np.minimum(m, 1.0))
+    else:
+        servers = (pos * k).astype(np.float64)[:, None]
+        busy = (levels * k)[None, :]
+        late = np.exp(-2.0 * np.maximum(servers - busy, 0.0)[:, :, None] * sl) @ (w / w.sum())
+        m = np.where(busy < servers, _erlang_c_grid(pos * k, levels * k) * late, 1.0)
+    return np.where(ns > 0, np.minimum(m, 1.0) @ shares, 1.0)
+
+
+def _erlang_c_grid(servers: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """:func:`_erlang_c_vec` for several (distinct) server counts: rows ``servers``,
+    columns ``a`` - one recursion up to the largest count, or the closed form."""
+    top = int(servers.max())
+    a = np.asarray(a, dtype=np.float64)
+    s = servers.astype(np.float64)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if top <= _RECURSE_UP_TO:
+            row = {int(n): i for i, n in enumerate(servers.tolist())}
+            b_at = np.empty((len(servers), len(a)))
+            b = np.ones_like(a)
+            for k in range(1, top + 1):
+                b = a * b / (k + a * b)
+                if k in row:
+                    b_at[row[k]] = b
+        else:
+            b_at = np.exp(s * np.log(a) - a - gammaln(s + 1.0)) / pdtr(s, a)
+        c = s * b_at / (s - a * (1.0 - b_at))
+    return np.where(a < s, np.clip(np.where(a > 0, c, 0.0), 0.0, 1.0), 1.0)
+
+
+def rising(demand, sigmas: float = 2.0) -> float:
+    """The growth per sample of a demand series that its noise does not explain: the
+    least-squares slope less ``sigmas`` standard errors, or 0. A light load's 10-s samples
+    scatter +-20 % and more, so only a long or steep rise passes; a heavy one's a few per
+    cent, so its ramps count. The standard error is the residuals' with their lag-1
+    autocorrelation rho counted (AR(1): the variance x (1 + rho) / (1 - rho)): decode's
+    samples are tokens of requests that run for minutes, so a slow swell of them looks like a
+    trend to independent-noise arithmetic."""
+    a = np.asarray(demand, dtype=np.float64).ravel()
+    n = a.size
+    if n < 8:
+        return 0.0
+    t = np.arange(n, dtype=np.float64) - (n - 1) / 2.0
+    stt = float(t @ t)
+    slope = float(t @ a) / stt
+    resid = a - float(a.mean()) - slope * t
+    ss = float(resid @ resid)
+    rho = min(max(float(resid[1:] @ resid[:-1]) / ss, 0.0), 0.95) if ss > 0 else 0.0
+    se = math.sqrt(ss / (n - 2) / stt * (1.0 + rho) / (1.0 - rho))
+    return max(0.0, slope - sigmas * se)
 
 
 def servers_for_window(demand, slack, per_vpod: int = 1, pooled: bool = True,
-                       miss: float = 0.05, cap: int = 4096, recent: int = 0) -> int:
+                       miss: float = 0.05, cap: int = 4096, recent: int = 0,
+                       ahead: float = 0.0) -> int:
     """The fewest vPods for which at most ``miss`` of a window's requests wait past their
     slack (:func:`window_miss` over the window's demand samples, in vPods), where
     :func:`servers_needed` holds every sample to it: the SLO is a share of requests, and a
@@ -363,26 +431,37 @@ def servers_for_window(demand, slack, per_vpod: int = 1, pooled: bool = True,
     already counts (a chat load of ~2 prompts/s: ~20 a sample, +-22 %). Never more than
     the peak sample's answer; ``slack = inf``: that answer (the paper's N = R / T).
     ``recent``: the target holds over the last ``recent`` samples too (a rising load's last
-    epoch is what the next one resembles, not the window's average)."""
+    epoch is what the next one resembles, not the window's average). ``ahead``: samples from
+    the window's end to when a larger allocation ordered at the next plan could serve (an
+    epoch and a start-up): those last samples are taken at the level the window's rise
+    (:func:`rising`, 0 without a significant one) reaches by then - what is sized now serves
+    until then (Llama3-70B prefill at 64x the Azure load: sized for the window, a 7 % rise
+    within the next epoch ran a pool of 95 gated pipelines past saturation for four
+    minutes, 12-30 % of TTFTs met)."""
     a = np.maximum(np.asarray(demand, dtype=np.float64).ravel(), 0.0)
     if 0 < recent < a.size:
+        tail = a[-recent:]
+        g = rising(a) if ahead > 0 else 0.0
+        if g > 0:
+            tail = tail + g * (ahead + np.arange(recent, 0, -1, dtype=np.float64))
         return max(servers_for_window(a, slack, per_vpod, pooled, miss, cap),
-                   servers_for_window(a[-recent:], slack, per_vpod, pooled, miss, cap))
+                   servers_for_window(tail, slack, per_vpod, pooled, miss, cap))
     if not a.size or float(a.max()) <= 0.0:
         return 0
-    hi = servers_needed(float(a.max()), slack, per_vpod, pooled, miss, cap)
     if not isinstance(slack, tuple) and math.isinf(slack):
-        return hi
+        return servers_needed(float(a.max()), slack, per_vpod, pooled, miss, cap)
     lv, sh = _levels(a / _queue_of(slack, pooled)[2])
-    # fewer than (1 - miss) x the mean leaves at least ``miss`` of the work above capacity
-    lo = max(1, min(hi, math.ceil((1.0 - miss) * float(a.mean()) - 1e-9)))
-    while lo < hi:                  # the miss only falls with more vPods
-        mid = (lo + hi) // 2
-        if window_miss(mid, lv, sh, slack, per_vpod, pooled) <= miss:
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi
+    # fewer than (1 - miss) x the mean leaves at least ``miss`` of the work above capacity;
+    # the miss only falls with more vPods, and the peak sample's answer passes (every level
+    # is at most the peak): the first count from the bound up that passes, tried in batches
+    lo, width = max(1, math.ceil((1.0 - miss) * float(a.mean()) - 1e-9)), 8
+    while lo < cap:
+        ns = np.arange(lo, min(cap, lo + width - 1) + 1)
+        ok = np.nonzero(window_misses(ns, lv, sh, slack, per_vpod, pooled) <= miss)[0]
+        if ok.size:
+            return int(ns[ok[0]])
+        lo, width = int(ns[-1]) + 1, width * 2
+    return cap
 
 
 @lru_cache(maxsize=4096)
@@ -407,15 +486,16 @@ def static_per_s(c: PointCost, metric: str) -> float:
 
 def cost_per_s(costs: Sequence[PointCost], peak_rates: np.ndarray, mean_rates: Sequence[float],
                metric: str, slack: float = math.inf, per_vpod: int = 1,
-               pooled: bool = True, recent: int = 0) -> LoadCost:
+               pooled: bool = True, recent: int = 0, ahead: float = 0.0) -> LoadCost:
     """Serving per-bucket token rates with one allocation (``costs[k]``: its numbers at bucket
     ``k``'s length). ``peak_rates``: samples x buckets (the window), sizing the vPods
     (:func:`servers_for_window` with the allocation's ``slack``, the last ``recent`` samples
-    too); ``mean_rates``: tokens/s per bucket, paying the dynamic energy."""
+    too, projected ``ahead`` samples on a significant rise); ``mean_rates``: tokens/s per
+    bucket, paying the dynamic energy."""
     inv_t = np.array([1.0 / c.throughput_tok_per_s for c in costs])
     demand = np.asarray(peak_rates, dtype=np.float64) @ inv_t if len(inv_t) else np.zeros(1)
     peak = float(demand.max()) if demand.size else 0.0
-    n = servers_for_window(demand, slack, per_vpod, pooled, recent=recent)
+    n = servers_for_window(demand, slack, per_vpod, pooled, recent=recent, ahead=ahead)
     per_s = n * static_per_s(costs[0], metric)
     if metric == "energy":
         per_s += sum(r * c.dyn_j_per_token for r, c in zip(mean_rates, costs))
@@ -431,5 +511,5 @@ def startup_cost(c: PointCost, vpods: int, metric: str) -> float:
 
 __all__ = ["Alloc", "ChipModelPricer", "LoadCost", "PointCost", "Pricer", "cost_per_s",
            "erlang_c", "gated_depth", "mix_slack", "pipeline_efficiency",
-           "pipeline_throughput", "servers_for_window", "servers_needed", "startup_cost",
-           "static_per_s", "window_miss"]
+           "pipeline_throughput", "rising", "servers_for_window", "servers_needed", "startup_cost",
+           "static_per_s", "window_miss", "window_misses"]

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim"))   # engine_cases
 
 from engine_cases import affine  # noqa: E402
-from orchestrator.pricing import (Alloc, _levels, erlang_c, gated_depth,  # noqa: E402
+from orchestrator.pricing import (Alloc, _levels, erlang_c, gated_depth, rising,  # noqa: E402
                                   mix_slack, pipeline_efficiency, pipeline_throughput,
                                   servers_for_window, servers_needed, window_miss)
 from sim.fastengine import PrefillEngine  # noqa: E402
@@ -118,6 +118,58 @@ def test_sized_over_the_window_the_pool_meets_the_target_with_fewer_servers(leve
     # a constant series is one level: the peak's answer
     assert servers_for_window(np.full(30, 3.3), mix) == servers_needed(3.3, mix)
     assert servers_for_window(np.zeros(30), mix) == 0
+
+
+def _future_miss(arr, cls, n: int, service_s, slack_s, from_s: float) -> float:
+    """The FCFS queue of ``n`` servers over all the arrivals; the share of those from
+    ``from_s`` on that wait past their slack (the backlog of the window carries over)."""
+    free = [0.0] * n
+    missed = seen = 0
+    for t, c in zip(arr.tolist(), cls.tolist()):
+        start = max(heapq.heappop(free), t)
+        heapq.heappush(free, start + service_s[c])
+        if t >= from_s:
+            seen += 1
+            missed += (start - t) > slack_s[c]
+    return missed / seen
+
+
+def test_a_rising_load_is_sized_for_where_it_will_be_when_the_next_plan_can_act():
+    """A load rising 50 % over the window goes on rising while the pool sized now serves (an
+    epoch and a start-up, 40 samples): sized for the window it misses more than 5 % of those
+    requests on average; taken to the level the window's rise reaches by then, at most 5 % on
+    every seed. The rise that counts is the slope less two standard errors: on steady Poisson
+    loads light or heavy it is 0 and the sizing is the window's."""
+    service, share, slack = (0.1, 1.0), (0.8, 0.2), (0.3, 1.0)
+    mean, dt, ahead = float(np.dot(share, service)), 10.0, 40
+    mix = mix_slack(service, service, np.add(slack, service), share)
+    levels = np.linspace(20.0, 30.0, 180, endpoint=False)
+    step = 10.0 / 180
+    before, after = [], []
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        arr = _arrivals(np.r_[levels, 30.0 + step * np.arange(ahead)] / mean, dt, rng)
+        cls = rng.choice(2, len(arr), p=share)
+        win = arr < 180 * dt
+        demand = np.bincount((arr[win] // dt).astype(int),
+                             weights=np.asarray(service)[cls[win]], minlength=180) / dt
+        assert 0.6 * step < rising(demand) < step
+        n0 = servers_for_window(demand, mix, recent=30)
+        n1 = servers_for_window(demand, mix, recent=30, ahead=ahead)
+        assert n1 > n0
+        before.append(_future_miss(arr, cls, n0, service, slack, 180 * dt))
+        after.append(_future_miss(arr, cls, n1, service, slack, 180 * dt))
+    assert np.mean(before) > 0.05
+    assert max(after) <= 0.05
+    for level in (2.0, 30.0):
+        rng = np.random.default_rng(1)
+        arr = _arrivals(np.full(180, level) / mean, dt, rng)
+        cls = rng.choice(2, len(arr), p=share)
+        demand = np.bincount(np.minimum((arr // dt).astype(int), 179),
+                             weights=np.asarray(service)[cls], minlength=180) / dt
+        assert rising(demand) == 0.0
+        assert servers_for_window(demand, mix, recent=30, ahead=ahead) == \
+            servers_for_window(demand, mix, recent=30)
 
 
 def test_one_length_is_the_rule_before():
