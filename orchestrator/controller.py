@@ -281,7 +281,8 @@ class Controller:
 
     def _urgent(self) -> bool:
         """Plan now: traffic and no routing yet (a cold start), or an emergency - a group's
-        peak queue beyond its batch slots (§3.4: bypasses the epoch)."""
+        peak queue beyond what its policy tolerates (:meth:`Policy.emergency_due`; §3.4:
+        bypasses the epoch)."""
         if self.planned["prefill"] is None:
             return self.window.samples("prefill").any()
         for ph in PHASES:
@@ -290,7 +291,7 @@ class Controller:
                 if v.phase == ph and v.state in (VPodState.STARTING, VPodState.READY):
                     slots[v.grp] = slots.get(v.grp, 0) + v.max_batch
             for g, q in self.window.peak_queue[ph].items():
-                if q > slots.get(g, 0) and self.cfg.policy.emergency:
+                if self.policies[ph].emergency_due(g, q, slots.get(g, 0)):
                     return True
         return False
 

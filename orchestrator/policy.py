@@ -457,6 +457,15 @@ class Policy:
         r_now = max(epoch_peak, gs.ewma_peak)
         return self._n_pod(spec.id, r_now, T), r_now
 
+    def emergency_due(self, group: str, queue: int, slots: int) -> bool:
+        """Whether a group's peak queue calls for the emergency scale-out (§3.4: it bypasses
+        the epoch, so a driver plans at once): beyond its batch slots (vPods starting
+        included) x its queue tolerance - the test :meth:`_emergency` applies in the plan.
+        A driver that tested the slots alone would re-plan a load-aware prefill group every
+        sample while its queue waits within its slack, and every such plan counts as an
+        epoch for the re-choice hold."""
+        return bool(self.cfg.emergency) and queue > slots * self._queue_tolerance(group)
+
     def _queue_tolerance(self, g: str) -> float:
         """How many times its batch slots a group's queue may reach before it is an
         emergency. The paper's rule: 1 (its vPods are sized at utilisation 1, so any queue

@@ -1,6 +1,7 @@
 """The wall-clock controller's make-before-break: what it hands the gateway while a plan that
 moves buckets to another group is actuated (real gateway object, real SQLite state)."""
 import asyncio
+import math
 
 from orchestrator.controller import Controller
 from orchestrator.state import StateStore, VPodRow
@@ -65,3 +66,45 @@ def test_a_scale_in_drains_only_once_its_groups_hand_off_is_done(tmp_path, llama
     assert not during["old0"][1].startswith(HELD)
     assert after["old1"] == after["old2"] == "draining" and after["old0"] == "ready"
     assert groups[0] == "new" and groups[-1] == "old"
+
+
+def test_the_controller_plans_at_once_only_on_the_emergency_its_policy_would_act_on(
+        tmp_path, llama8b_db):
+    """A load-aware prefill group's prompts may wait their SLO's slack, so its queue is an
+    emergency only past its slots x (1 + slack): a queue between the two does not make the
+    controller plan between epochs (each such plan would count as an epoch for the re-choice
+    hold); one past it does. The paper's rule tolerates no queue beyond the slots."""
+    import numpy as np
+
+    from orchestrator.loadaware import LoadAwarePolicy
+    from orchestrator.policy import Observation, Policy
+    db = llama8b_db[0]
+    i = 7                                                     # prompts <= 1024 tokens
+    aware = LoadAwarePolicy(db, "prefill")
+    rate = 0.5 * db.entry_at("prefill", i).throughput_tok_per_s
+    plan = aware.plan(Observation(0.0, {i: np.full(180, rate)}))
+    (g,) = plan.target
+    tolerance = aware._queue_tolerance(g)
+    assert tolerance > 1.5                                    # a short prompt has slack
+    e = plan.groups[g].entry
+
+    def urgent(policy, queue):
+        async def go():
+            gw = Gateway("llama3-8b", db.edges, 8192)
+            c = Controller(db, None, gw, StateStore(tmp_path / f"s{queue}{id(policy)}.db"),
+                           policies={"prefill": policy, "decode": Policy(db, "decode")})
+            c.vpods = {f"p{k}": VPodRow(f"p{k}", g, "prefill", e.chip, e.topology,
+                                        e.num_chips, 1, 1, 1, e.max_batch, 8192,
+                                        e.throughput_tok_per_s, False, "ready",
+                                        f"http://127.0.0.1:1/p{k}", 0.0)
+                       for k in range(plan.target[g])}
+            c.planned["prefill"] = plan.routing
+            c.window.peak_queue["prefill"][g] = queue
+            return c._urgent()
+        return asyncio.run(go())
+
+    slots = plan.target[g] * e.max_batch
+    within = math.floor(slots * tolerance)
+    assert not urgent(aware, slots + 1) and not urgent(aware, within)
+    assert urgent(aware, within + 1)
+    assert urgent(Policy(db, "prefill"), slots + 1)
