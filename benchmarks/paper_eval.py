@@ -91,7 +91,8 @@ def run_one(job: tuple) -> str:
         res["policies"][name] = {ph: r.to_json() for ph, r in fn().items()}
         res["wall_s"][name] = time.perf_counter() - t
     path.write_text(json.dumps(res, indent=1))
-    return f"{path} ({sum(res['wall_s'].values()):.0f} s)"
+    ran = [v for k, v in res["wall_s"].items() if kept is None or k in rerun]
+    return f"{path} ({sum(ran):.0f} s{', ' + ','.join(rerun) if kept is not None else ''})"
 
 
 def _key(metric: str) -> str:

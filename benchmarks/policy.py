@@ -11,6 +11,7 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -104,6 +105,28 @@ def load_aware(db, rates) -> None:
         print(f"load-aware {phase}: {len(db.edges)} buckets with traffic, {len(first.target)} "
               f"groups chosen; first plan {cold * 1e3:.0f} ms (prices on the chip model), "
               f"then median {statistics.median(times) * 1e3:.1f} ms per plan")
+        erlang_baseline(pol, first.state, rates)
+
+
+def erlang_baseline(pol, state, rates) -> None:
+    """The same plans with Erlang C by its n-step recursion at every pool size (the rule
+    before; ``pricing._RECURSE_UP_TO``) against the closed form above 32 servers, in turn."""
+    import orchestrator.pricing as pricing
+    loads = [{i: r * f for i, r in rates.items()} for f in (0.5, 1.0, 2.0, 4.0)]
+    saved = pricing._RECURSE_UP_TO
+    took = {}
+    try:
+        for name, limit in (("closed form", saved), ("recursion", 10 ** 9)) * 2:
+            pricing._RECURSE_UP_TO = limit
+            t = time.perf_counter()
+            for k, obs in enumerate(loads):
+                pol.plan(Observation(300.0 * (k + 20), obs), state)
+            took[name] = min(took.get(name, math.inf), time.perf_counter() - t)
+    finally:
+        pricing._RECURSE_UP_TO = saved
+    print(f"  Erlang C: {took['closed form'] * 1e3 / len(loads):.1f} ms per plan in closed form "
+          f"above {saved} servers, {took['recursion'] * 1e3 / len(loads):.1f} ms by recursion "
+          f"(ratio {took['recursion'] / took['closed form']:.2f}x)")
 
 
 if __name__ == "__main__":

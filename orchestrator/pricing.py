@@ -455,6 +455,9 @@ def servers_for_window(demand, slack, per_vpod: int = 1, pooled: bool = True,
     # the miss only falls with more vPods, and the peak sample's answer passes (every level
     # is at most the peak): the first count from the bound up that passes, tried in batches
     lo, width = max(1, math.ceil((1.0 - miss) * float(a.mean()) - 1e-9)), 8
+    if not pooled:                  # the peak's answer is a constant's multiple: one pass
+        hi = servers_needed(float(a.max()), slack, per_vpod, pooled, miss, cap)
+        width = max(hi - lo + 1, 1)
     while lo < cap:
         ns = np.arange(lo, min(cap, lo + width - 1) + 1)
         ok = np.nonzero(window_misses(ns, lv, sh, slack, per_vpod, pooled) <= miss)[0]
