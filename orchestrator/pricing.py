@@ -318,20 +318,8 @@ def _cuts(n: int, bins: int) -> np.ndarray:
 
 
 def _erlang_c_vec(n: int, a: np.ndarray) -> np.ndarray:
-    """:func:`erlang_c` for many offered loads at once (1 where ``a >= n``). Erlang B is a
-    Poisson(a) variable's P(X = n) / P(X <= n) (in closed form: a few array operations
-    whatever n, where the textbook recursion takes n of them - pools of hundreds of servers
-    are sized thousands of times a plan)."""
-    a = np.asarray(a, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        if n <= _RECURSE_UP_TO:
-            b = np.ones_like(a)
-            for k in range(1, n + 1):
-                b = a * b / (k + a * b)
-        else:
-            b = np.exp(n * np.log(a) - a - gammaln(n + 1.0)) / pdtr(n, a)
-        c = n * b / (n - a * (1.0 - b))
-    return np.where(a < n, np.clip(np.where(a > 0, c, 0.0), 0.0, 1.0), 1.0)
+    """:func:`erlang_c` for many offered loads at once (1 where ``a >= n``)."""
+    return _erlang_c_grid(np.array([n]), a)[0]
 
 
 @lru_cache(maxsize=4096)
@@ -379,24 +367,27 @@ def window_misses(n_vpods: np.ndarray, levels: np.ndarray, shares: np.ndarray, s
 
 
 def _erlang_c_grid(servers: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """:func:`_erlang_c_vec` for several (distinct) server counts: rows ``servers``,
-    columns ``a`` - one recursion up to the largest count, or the closed form."""
-    top = int(servers.max())
+    """Erlang C for server counts ``servers`` (rows) and offered loads ``a`` (columns; 1
+    where ``a >= n``). Erlang B is a Poisson(a) variable's P(X = n) / P(X <= n): in closed
+    form a few array operations whatever n, where the textbook recursion takes n of them
+    (pools of hundreds of servers are sized thousands of times a plan); up to
+    ``_RECURSE_UP_TO`` servers one recursion serves every count."""
+    uniq, row = np.unique(np.asarray(servers, dtype=np.int64), return_inverse=True)
     a = np.asarray(a, dtype=np.float64)
-    s = servers.astype(np.float64)[:, None]
+    s = uniq.astype(np.float64)[:, None]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        if top <= _RECURSE_UP_TO:
-            row = {int(n): i for i, n in enumerate(servers.tolist())}
-            b_at = np.empty((len(servers), len(a)))
+        if int(uniq[-1]) <= _RECURSE_UP_TO:
+            b_at = np.empty((len(uniq), len(a)))
             b = np.ones_like(a)
-            for k in range(1, top + 1):
+            for k in range(1, int(uniq[-1]) + 1):
                 b = a * b / (k + a * b)
-                if k in row:
-                    b_at[row[k]] = b
+                j = np.searchsorted(uniq, k)
+                if j < len(uniq) and uniq[j] == k:
+                    b_at[j] = b
         else:
             b_at = np.exp(s * np.log(a) - a - gammaln(s + 1.0)) / pdtr(s, a)
         c = s * b_at / (s - a * (1.0 - b_at))
-    return np.where(a < s, np.clip(np.where(a > 0, c, 0.0), 0.0, 1.0), 1.0)
+    return np.where(a < s, np.clip(np.where(a > 0, c, 0.0), 0.0, 1.0), 1.0)[row]
 
 
 def rising(demand, sigmas: float = 2.0) -> float:
