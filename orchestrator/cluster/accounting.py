@@ -226,13 +226,16 @@ def ideal_at_load_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens
             sel = mask & (epoch == e)
             rates = np.bincount(b[sel], weights=tokens[sel], minlength=nb) / epoch_s
             prices = grid.solve(rates)           # bucket -> (J/token, $/token, meets SLO)
-            for idx in np.nonzero(sel)[0].tolist():
-                j, usd, met = prices[int(b[idx])]
-                n = int(tokens[idx])
-                r.energy_j += j * n
-                r.cost_usd += usd * n
-                per[ph][idx] = j * n
-                slo_ok[ph][idx] = met
+            j_of, usd_of, met_of = np.zeros(nb), np.zeros(nb), np.zeros(nb, dtype=bool)
+            for i, (j, usd, met) in prices.items():
+                j_of[i], usd_of[i], met_of[i] = j, usd, met
+            idx = np.nonzero(sel)[0]
+            n = tokens[idx].astype(np.float64)
+            e_req = j_of[b[idx]] * n
+            r.energy_j += float(e_req.sum())
+            r.cost_usd += float((usd_of[b[idx]] * n).sum())
+            per[ph][idx] = e_req
+            slo_ok[ph][idx] = met_of[b[idx]]
         r.tokens = int(tokens[mask].sum())
     p, d = rep["prefill"], rep["decode"]
     p.requests, d.requests = len(inp), int(multi.sum())
@@ -257,6 +260,7 @@ class _IdealGrid:
         self.slo = np.asarray(db.meta["slo_s"][phase])
         self._Alloc = Alloc
         self._cands: dict[int, list] = {}
+        self._stacks: dict[int, dict | None] = {}
 
     def cands(self, j: int) -> list:
         got = self._cands.get(j)
@@ -275,29 +279,43 @@ class _IdealGrid:
             self._cands[j] = got
         return got
 
+    def _stack(self, j: int) -> dict | None:
+        """:meth:`cands` of bucket ``j`` as arrays (rows: points), or None without any."""
+        if j not in self._stacks:
+            c = self.cands(j)
+            self._stacks[j] = None if not c else {
+                "inv_t": np.array([x[0] for x in c]), "dyn": np.array([x[1] for x in c]),
+                "ok": np.array([x[2] for x in c]), "static_w": np.array([x[3] for x in c]),
+                "usd_s": np.array([x[4] for x in c])}
+        return self._stacks[j]
+
     def solve(self, rates: np.ndarray) -> dict[int, tuple[float, float, bool]]:
-        """(J/token, $/token, SLO met) per active bucket of the cheapest grouping."""
+        """(J/token, $/token, SLO met) per active bucket of the cheapest grouping: for each
+        last bucket, every point (rows) and first bucket (columns) at once; ties go to the
+        earlier point, then the earlier first bucket."""
         act = [int(i) for i in np.nonzero(rates > 0)[0]]
         m = len(act)
-        best = [0.0] + [math.inf] * m        # best[k]: the first k active buckets served
+        best = np.array([0.0] + [math.inf] * m)   # best[k]: the first k active buckets served
         how: list = [None] * (m + 1)
         for jj in range(m):
             j = act[jj]
             idx = np.array(act[:jj + 1])
             r = rates[idx]
-            for inv_t, dyn, slo_ok, static_w, usd_s, _ in self.cands(j):
-                valid = np.logical_and.accumulate(slo_ok[idx][::-1])[::-1]
-                dem = np.cumsum((r * inv_t[idx])[::-1])[::-1]      # segment i..jj demand
-                dj = np.cumsum((r * dyn[idx])[::-1])[::-1]
+            st = self._stack(j)
+            if st is not None:
+                valid = np.logical_and.accumulate(st["ok"][:, idx][:, ::-1], axis=1)[:, ::-1]
+                # segment ii..jj's demand and dynamic energy, per point
+                dem = np.cumsum((r * st["inv_t"][:, idx])[:, ::-1], axis=1)[:, ::-1]
+                dj = np.cumsum((r * st["dyn"][:, idx])[:, ::-1], axis=1)[:, ::-1]
                 n = np.ceil(dem - 1e-9)
-                energy = n * static_w + dj
-                usd = n * usd_s
-                cost = energy if self.metric == "energy" else usd
-                for ii in np.nonzero(valid)[0].tolist():
-                    c = best[ii] + cost[ii]
-                    if c < best[jj + 1]:
-                        best[jj + 1] = c
-                        how[jj + 1] = (ii, energy[ii], usd[ii], True)
+                energy = n * st["static_w"][:, None] + dj
+                usd = n * st["usd_s"][:, None]
+                total = np.where(valid, best[None, :jj + 1]
+                                 + (energy if self.metric == "energy" else usd), np.inf)
+                p, ii = divmod(int(np.argmin(total)), jj + 1)
+                if total[p, ii] < best[jj + 1]:
+                    best[jj + 1] = total[p, ii]
+                    how[jj + 1] = (ii, energy[p, ii], usd[p, ii], True)
             if how[jj + 1] is None:          # nothing meets the SLO: the fastest point alone
                 fast = min(self.cands(j), key=lambda c: c[5])
                 n = max(1, math.ceil(rates[j] * fast[0][j] - 1e-9))
