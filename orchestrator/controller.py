@@ -621,7 +621,10 @@ def _policy_state_to_json(s: PolicyState) -> dict[str, Any]:
     from dataclasses import asdict
     return {"groups": {g: {"ewma_peak": gs.ewma_peak,
                            "last_shrink_s": gs.last_shrink_s if math.isfinite(gs.last_shrink_s)
-                           else None, "queued": gs.queued} for g, gs in s.groups.items()},
+                           else None, "queued": gs.queued,
+                           "queued_since_s": gs.queued_since_s
+                           if math.isfinite(gs.queued_since_s) else None}
+                       for g, gs in s.groups.items()},
             "chosen": {str(i): g for i, g in s.chosen.items()},
             "allocs": {g: _finite(asdict(spec.entry)) for g, spec in s.allocs.items()},
             "pending": {str(k): list(v) for k, v in s.pending.items()}}
@@ -640,7 +643,9 @@ def _policy_state_from_json(d: dict[str, Any]) -> PolicyState:
     from .policy import GroupSpec, GroupState
     groups = d.get("groups", d) if isinstance(d.get("groups"), dict) else d
     out = PolicyState({g: GroupState(v["ewma_peak"], -math.inf if v["last_shrink_s"] is None
-                                     else v["last_shrink_s"], bool(v.get("queued", False)))
+                                     else v["last_shrink_s"], bool(v.get("queued", False)),
+                                     math.inf if v.get("queued_since_s") is None
+                                     else v["queued_since_s"])
                        for g, v in groups.items()})
     if "chosen" in d:
         out.chosen = {int(i): g for i, g in d["chosen"].items()}

@@ -125,6 +125,7 @@ class LoadAwarePolicy(Policy):
         """:meth:`Policy.plan`, after dropping prices cached before the live correction
         factors last moved (:class:`orchestrator.pricing.CalibratedPricer`)."""
         self._inherited = {}
+        self._now_s = obs.now_s
         v = getattr(self.pricer, "version", 0)
         if v != self._priced_at:
             self._priced_at = v
@@ -285,7 +286,10 @@ class LoadAwarePolicy(Policy):
         the Azure load: a queue of 264 prompts at 93 pipelined batch-1 vPods the model said
         were enough; prefill SLO 22 % with the cap alone)."""
         new, why2 = super()._emergency(spec, vpods, queue, want, why, gs)
-        persistent, gs.queued = gs.queued, new > want
+        persistent = self._queued_an_epoch(gs)
+        if new > want and not gs.queued:
+            gs.queued_since_s = self._now_s
+        gs.queued = new > want
         if new <= want or persistent:       # a queue two epochs running: the paper's rule
             return new, why2
         need = self._need.get(spec.id, new)
@@ -294,6 +298,14 @@ class LoadAwarePolicy(Policy):
         if need < new:
             return need, why2 + f"; at most the {need} the epoch's demand needs"
         return new, why2
+
+    def _queued_an_epoch(self, gs) -> bool:
+        """The group's queue has been beyond its slots at every plan for an epoch or more: no
+        burst. Counted in time, not plans - a driver also plans at once on an emergency
+        (:meth:`Policy.emergency_due`), and a second plan 10 s after the first is not a
+        queue that outlived an epoch (counted by plans it took the paper's rule, up to x4)."""
+        return bool(gs and gs.queued
+                    and self._now_s - gs.queued_since_s >= self.cfg.epoch_s - 1e-6)
 
     # ---- grouping and choice: the cheapest partition at load ----------------------------------
     def _regroup(self, load: _GroupLoad, specs: dict[str, GroupSpec], obs: Observation,
@@ -386,7 +398,7 @@ class LoadAwarePolicy(Policy):
             tolerance = 1.0 + self.slack(costs, seg)
             gs = state.groups.get(spec.id)
             if queue > tolerance * sum(v.max_batch for v in obs.inventory
-                                       if v.group == spec.id) and not (gs and gs.queued):
+                                       if v.group == spec.id) and not self._queued_an_epoch(gs):
                 # a burst: scale out what runs (the cheaper grouping's epochs still count).
                 # A queue beyond the slots two epochs running is no burst, and the choice is
                 # free again (DeepSeek-V3 at 16x the Azure load: a b4 group behind a queue of

@@ -168,7 +168,8 @@ class Observation:
 class GroupState:
     ewma_peak: float = 0.0
     last_shrink_s: float = -math.inf
-    queued: bool = False              # the last epoch's peak queue was beyond the group's slots
+    queued: bool = False              # the last plan's peak queue was beyond the group's slots
+    queued_since_s: float = math.inf  # the first plan of that run of queued plans
 
 
 @dataclass

@@ -250,6 +250,39 @@ def test_a_prefill_queue_within_the_slos_slack_or_a_bursts_is_no_emergency(db, p
     assert any("emergency" in line for line in p1.explain())
 
 
+def test_a_queue_is_persistent_after_an_epoch_not_after_a_second_plan(db, pricer):
+    """A driver plans at once on an emergency (the controller does), so two plans may see the
+    same queue 10 s apart. The load-aware rule sizes a first emergency to the epoch's demand;
+    only a queue beyond the slots for an epoch takes the paper's queue rule (up to x4). Counted
+    by plans, the second plan 10 s later took it: many more vPods for the same queue."""
+    i = 20
+    rate = 0.3 * db.entry_at("prefill", i).throughput_tok_per_s
+    pol = LoadAwarePolicy(db, "prefill", pricer=pricer)
+    first = pol.plan(Observation(0.0, {i: flat(rate)}))
+    (g,) = chosen(first)
+    inv = inventory(first)
+    slots = sum(v.max_batch for v in inv)
+    big = 50 * (int(slots * (1 + pol._tol[g])) + slots + 1)
+    surge = np.concatenate([flat(rate, N - 30), flat(6 * rate, 30)])   # needs < x4
+
+    def plan(t, state):
+        return pol.plan(Observation(t, {i: surge}, inv, group_peak_queue={g: big}), state)
+    def demand_bound(p):
+        return any(f"emergency: peak queue {big}" in line and "the epoch's demand needs" in line
+                   for line in p.explain())
+    paper_bound = math.ceil(len(inv) * pol.cfg.emergency_max_factor)   # x4 of what runs
+    p1 = plan(300.0, first.state)
+    assert demand_bound(p1) and p1.target[g] == pol._need[g] != paper_bound
+    p2 = plan(310.0, p1.state)                   # the same queue 10 s later: still a burst
+    assert demand_bound(p2) and p2.target[g] == p1.target[g]
+    p3 = plan(600.0, p2.state)                   # an epoch after the first: the paper's rule
+    assert not demand_bound(p3) and p3.target[g] == paper_bound
+    # the time it began survives the controller's state file
+    from orchestrator.controller import _policy_state_from_json, _policy_state_to_json
+    back = _policy_state_from_json(_policy_state_to_json(p2.state))
+    assert back.groups[g].queued and back.groups[g].queued_since_s == 300.0
+
+
 @pytest.mark.parametrize("metric", ["energy", "cost"])
 @pytest.mark.parametrize("buckets", [[8], [34, 40], [4, 12, 20, 24]])
 def test_a_decode_group_runs_the_widest_batch_of_its_allocation(db, pricer, metric, buckets):
