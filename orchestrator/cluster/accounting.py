@@ -259,35 +259,28 @@ class _IdealGrid:
         self.chips = list(chips or db.chips)
         self.slo = np.asarray(db.meta["slo_s"][phase])
         self._Alloc = Alloc
-        self._cands: dict[int, list] = {}
-        self._stacks: dict[int, dict | None] = {}
+        self._cands: dict[int, dict | None] = {}
 
-    def cands(self, j: int) -> list:
-        got = self._cands.get(j)
-        if got is None:
-            got = []
+    def cands(self, j: int) -> dict | None:
+        """Bucket ``j``'s Pareto points (all chips) as arrays, rows the points: 1 / throughput,
+        dynamic energy per token and SLO met at every bucket up to ``j`` (columns); static
+        power, price per second and latency at ``j``. None without any point."""
+        if j not in self._cands:
+            rows = []
             edges = self.db.edges
             for chip in self.chips:
                 for p in self.db.pareto_for(self.phase, edges[j], chip):
                     a = self._Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"],
                                     p["ep"], p["batch"], p["attn"])
                     cs = [self.pricer.cost(a, self.phase, edges[i]) for i in range(j + 1)]
-                    got.append((np.array([1.0 / c.throughput_tok_per_s for c in cs]),
-                                np.array([c.dyn_j_per_token for c in cs]),
-                                np.array([c.latency_s <= self.slo[i] for i, c in enumerate(cs)]),
-                                cs[-1].static_w, cs[-1].usd_per_s, cs[-1].latency_s))
-            self._cands[j] = got
-        return got
-
-    def _stack(self, j: int) -> dict | None:
-        """:meth:`cands` of bucket ``j`` as arrays (rows: points), or None without any."""
-        if j not in self._stacks:
-            c = self.cands(j)
-            self._stacks[j] = None if not c else {
-                "inv_t": np.array([x[0] for x in c]), "dyn": np.array([x[1] for x in c]),
-                "ok": np.array([x[2] for x in c]), "static_w": np.array([x[3] for x in c]),
-                "usd_s": np.array([x[4] for x in c])}
-        return self._stacks[j]
+                    rows.append(([1.0 / c.throughput_tok_per_s for c in cs],
+                                 [c.dyn_j_per_token for c in cs],
+                                 [c.latency_s <= self.slo[i] for i, c in enumerate(cs)],
+                                 cs[-1].static_w, cs[-1].usd_per_s, cs[-1].latency_s))
+            self._cands[j] = None if not rows else {
+                k: np.array([r[n] for r in rows])
+                for n, k in enumerate(("inv_t", "dyn", "ok", "static_w", "usd_s", "lat"))}
+        return self._cands[j]
 
     def solve(self, rates: np.ndarray) -> dict[int, tuple[float, float, bool]]:
         """(J/token, $/token, SLO met) per active bucket of the cheapest grouping: for each
@@ -301,7 +294,7 @@ class _IdealGrid:
             j = act[jj]
             idx = np.array(act[:jj + 1])
             r = rates[idx]
-            st = self._stack(j)
+            st = self.cands(j)
             if st is not None:
                 valid = np.logical_and.accumulate(st["ok"][:, idx][:, ::-1], axis=1)[:, ::-1]
                 # segment ii..jj's demand and dynamic energy, per point
@@ -317,10 +310,10 @@ class _IdealGrid:
                     best[jj + 1] = total[p, ii]
                     how[jj + 1] = (ii, energy[p, ii], usd[p, ii], True)
             if how[jj + 1] is None:          # nothing meets the SLO: the fastest point alone
-                fast = min(self.cands(j), key=lambda c: c[5])
-                n = max(1, math.ceil(rates[j] * fast[0][j] - 1e-9))
-                e_ = n * fast[3] + rates[j] * fast[1][j]
-                u_ = n * fast[4]
+                f = int(np.argmin(st["lat"]))
+                n = max(1, math.ceil(rates[j] * st["inv_t"][f, j] - 1e-9))
+                e_ = n * st["static_w"][f] + rates[j] * st["dyn"][f, j]
+                u_ = n * st["usd_s"][f]
                 best[jj + 1] = best[jj] + (e_ if self.metric == "energy" else u_)
                 how[jj + 1] = (jj, e_, u_, False)
         out: dict[int, tuple[float, float, bool]] = {}

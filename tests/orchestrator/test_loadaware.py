@@ -209,19 +209,25 @@ def test_the_controllers_saved_state_plans_like_the_live_one(db, pricer):
     assert set(_policy_state_from_json(old).groups) == set(state.groups)
 
 
-def test_a_prefill_queue_within_the_slos_slack_or_a_bursts_is_no_emergency(db, pricer):
-    """The paper's emergency test (queue > batch slots) fires on a queue of two for a batch-1
-    vPod; a load-aware prefill group is sized for requests to wait up to its SLO slack, so
-    only a queue beyond slots x (1 + slack) is an emergency - and only when the last epoch's
-    peak demand needs more vPods than run (else it was a burst's queue, gone before a new
-    vPod starts), and then up to what that demand needs. The paper's rule keeps its test."""
+def one_prefill_group(db, pricer):
+    """A load-aware prefill policy's first plan at 30 % of one vPod of bucket 20's best fit:
+    (bucket, rate, policy, plan, its one group, its vPods as running ones, their slots)."""
     i = 20
     rate = 0.3 * db.entry_at("prefill", i).throughput_tok_per_s
     pol = LoadAwarePolicy(db, "prefill", pricer=pricer)
     first = pol.plan(Observation(0.0, {i: flat(rate)}))
     (g,) = chosen(first)
     inv = inventory(first)
-    slots = sum(v.max_batch for v in inv)
+    return i, rate, pol, first, g, inv, sum(v.max_batch for v in inv)
+
+
+def test_a_prefill_queue_within_the_slos_slack_or_a_bursts_is_no_emergency(db, pricer):
+    """The paper's emergency test (queue > batch slots) fires on a queue of two for a batch-1
+    vPod; a load-aware prefill group is sized for requests to wait up to its SLO slack, so
+    only a queue beyond slots x (1 + slack) is an emergency - and only when the last epoch's
+    peak demand needs more vPods than run (else it was a burst's queue, gone before a new
+    vPod starts), and then up to what that demand needs. The paper's rule keeps its test."""
+    i, rate, pol, first, g, inv, slots = one_prefill_group(db, pricer)
     slack = pol._tol[g]
     assert slack > 0.5, slack                     # some room below the SLO to test with
     within = int(slots * (1 + slack))
@@ -255,18 +261,13 @@ def test_a_queue_is_persistent_after_an_epoch_not_after_a_second_plan(db, pricer
     same queue 10 s apart. The load-aware rule sizes a first emergency to the epoch's demand;
     only a queue beyond the slots for an epoch takes the paper's queue rule (up to x4). Counted
     by plans, the second plan 10 s later took it: many more vPods for the same queue."""
-    i = 20
-    rate = 0.3 * db.entry_at("prefill", i).throughput_tok_per_s
-    pol = LoadAwarePolicy(db, "prefill", pricer=pricer)
-    first = pol.plan(Observation(0.0, {i: flat(rate)}))
-    (g,) = chosen(first)
-    inv = inventory(first)
-    slots = sum(v.max_batch for v in inv)
+    i, rate, pol, first, g, inv, slots = one_prefill_group(db, pricer)
     big = 50 * (int(slots * (1 + pol._tol[g])) + slots + 1)
     surge = np.concatenate([flat(rate, N - 30), flat(6 * rate, 30)])   # needs < x4
 
     def plan(t, state):
         return pol.plan(Observation(t, {i: surge}, inv, group_peak_queue={g: big}), state)
+
     def demand_bound(p):
         return any(f"emergency: peak queue {big}" in line and "the epoch's demand needs" in line
                    for line in p.explain())
