@@ -3,9 +3,12 @@
 Every ``sample_s`` it reads the gateway's counters (tokens per bucket that arrived for prefill
 and were handed to decode, requests waiting at the gateway) and the engines' ``/metrics``
 (``vllm:num_requests_waiting``) into the same :class:`~orchestrator.window.ObservationWindow`
-the cluster simulator fills; every ``epoch_s`` - and at once on an emergency (a group's queue
-beyond its batch slots) or at a cold start (traffic with no group yet) - it runs the same
-:class:`~orchestrator.policy.Policy` per phase and actuates the plan through a backend:
+the cluster simulator fills; every ``epoch_s`` - and at once at a cold start (traffic with no
+group yet) - it runs the same :class:`~orchestrator.policy.Policy` per phase; between epochs a
+group whose aggregated queue is an emergency gets that group's scale-out at once
+(:meth:`~orchestrator.policy.Policy.plan_emergency`, once per start-up:
+:class:`~orchestrator.policy.EmergencyGate`, as the simulator). It actuates each plan through a
+backend:
 creations and deletions with bounded concurrency and retries, fail-over on quota errors,
 make-before-break routing (:func:`router.routing.make_before_break`; a group's scale-in waits
 while it still serves buckets handed to a group not up yet), draining before deleting,
@@ -39,7 +42,8 @@ from dse.vpod import VPodState
 from router.gateway import Endpoint, Gateway
 from router.routing import RoutingTable, handing_over, make_before_break
 
-from .policy import ActionKind, Plan, Policy, PolicyConfig, PolicyState, VPodRecord
+from .policy import (ActionKind, EmergencyGate, Plan, Policy, PolicyConfig, PolicyState,
+                     VPodRecord)
 from .registry import PHASES
 from .state import StateStore, VPodRow
 from .window import ObservationWindow, available_chips, chips_in_use
@@ -89,6 +93,7 @@ class Controller:
         self.policies = dict(policies or {ph: Policy(db, ph, config.policy) for ph in PHASES})
         self.window = ObservationWindow(len(db.edges), config.policy)
         self.pstate = {ph: PolicyState() for ph in PHASES}
+        self._gate = EmergencyGate()     # emergencies planned between epochs, once per start-up
         self.planned: dict[str, RoutingTable | None] = {ph: None for ph in PHASES}
         self.routing: dict[str, RoutingTable | None] = {ph: None for ph in PHASES}
         self.vpods: dict[str, VPodRow] = {}
@@ -198,8 +203,10 @@ class Controller:
             try:
                 await self.sample()
                 due = self.now_cp() - self._last_epoch_cp >= pcfg.epoch_s
-                if due or self._urgent():
+                if due or self._cold():
                     self.epoch()
+                else:
+                    self.emergencies()
             except Exception:            # a bug in one round must not stop the controller
                 log.exception("controller round failed")
 
@@ -230,8 +237,7 @@ class Controller:
             self.state.log_requests(buf)
         for ph in PHASES:
             self.window.record(ph, s.tokens[ph] / dt_wall)
-        for (ph, g), n in s.waiting.items():
-            self.window.note_queue(ph, g, n)
+        queue = dict(s.waiting)          # a group's aggregated queue (§3.4): the gateway's
         for (ph, g), x in s.longest_s.items():
             self.window.note_duration(ph, g, x)
         for (ph, b), (x, n) in s.stay_s.items():
@@ -241,11 +247,14 @@ class Controller:
         for v, (ok, waiting) in zip(ready, results):
             if ok:
                 self._health_fail.pop(v.id, None)
-                self.window.note_queue(v.phase, v.grp, waiting)
+                queue[(v.phase, v.grp)] = queue.get((v.phase, v.grp), 0) + waiting
             else:
                 n = self._health_fail[v.id] = self._health_fail.get(v.id, 0) + 1
                 if n >= self.cfg.health_failures:
                     self._dead(v)
+        for (ph, g), n in queue.items():     # and its engines' waiting requests
+            if n:
+                self.window.note_queue(ph, g, n)
 
     def vpod_failed(self, vid: str) -> None:
         """The gateway saw ``vid`` fail under a request: check it now, not at the next
@@ -279,33 +288,26 @@ class Controller:
                                text)
         return True, int(_metric(text, "vllm:num_requests_waiting"))
 
-    def _urgent(self) -> bool:
-        """Plan now: traffic and no routing yet (a cold start), or an emergency - a group's
-        peak queue beyond what its policy tolerates (:meth:`Policy.emergency_due`; §3.4:
-        bypasses the epoch)."""
-        if self.planned["prefill"] is None:
-            return self.window.samples("prefill").any()
-        for ph in PHASES:
-            slots: dict[str, int] = {}
-            for v in self.vpods.values():
-                if v.phase == ph and v.state in (VPodState.STARTING, VPodState.READY):
-                    slots[v.grp] = slots.get(v.grp, 0) + v.max_batch
-            for g, q in self.window.peak_queue[ph].items():
-                if self.policies[ph].emergency_due(g, q, slots.get(g, 0)):
-                    return True
-        return False
+    def _cold(self) -> bool:
+        """Traffic and no routing yet (a cold start): plan now."""
+        return self.planned["prefill"] is None and bool(self.window.samples("prefill").any())
+
+    def _inventory(self, phase: str) -> list[VPodRecord]:
+        return [VPodRecord(v.id, v.grp, v.chip, v.topology, v.num_chips, VPodState(v.state),
+                           v.failover, v.throughput_tok_per_s, v.max_batch)
+                for v in self.vpods.values()
+                if v.phase == phase and v.state in (VPodState.STARTING, VPodState.READY)]
 
     # ---- plan ---------------------------------------------------------------------------------
     def epoch(self) -> None:
         now_cp = self.now_cp()
         self._last_epoch_cp = now_cp
         self._recalibrate()
+        self._gate.new_epoch()
         for ph in PHASES:
-            inv = [VPodRecord(v.id, v.grp, v.chip, v.topology, v.num_chips,
-                              VPodState(v.state), v.failover, v.throughput_tok_per_s,
-                              v.max_batch)
-                   for v in self.vpods.values()
-                   if v.phase == ph and v.state in (VPodState.STARTING, VPodState.READY)]
+            inv = self._inventory(ph)
+            urgent = self._gate.due(ph, self.policies[ph], self.window.peak_queue[ph], inv,
+                                    at_epoch=True)
             obs = self.window.observe(ph, now_cp, inv, self._quotas(now_cp),
                                       chips_in_use((v.chip, v.num_chips)
                                                    for v in self.vpods.values()))
@@ -320,8 +322,31 @@ class Controller:
             self.state.add_plan(time.time(), ph, [_action_json(a) for a in plan.actions],
                                 plan.target, plan.rates)
             self._act(ph, plan)
+            self._gate.acted(ph, urgent, self._inventory(ph))
         self.window.end_epoch()
         self._publish()
+
+    def emergencies(self) -> None:
+        """Between epochs (every sample): a group whose aggregated queue is an emergency by
+        its policy gets the emergency scale-out now, once per start-up of what it ordered
+        (:class:`orchestrator.policy.EmergencyGate`, as the simulator); the routing, the epoch's
+        cadence and every other group stay as the epoch left them."""
+        now_cp = self.now_cp()
+        for ph in PHASES:
+            inv = self._inventory(ph)
+            urgent = self._gate.due(ph, self.policies[ph], self.window.peak_queue[ph], inv)
+            if not urgent:
+                continue
+            obs = self.window.observe(ph, now_cp, inv, self._quotas(now_cp),
+                                      chips_in_use((v.chip, v.num_chips)
+                                                   for v in self.vpods.values()))
+            plan = self.policies[ph].plan_emergency(obs, self.pstate[ph], urgent)
+            self.pstate[ph] = plan.state
+            self.state.set_json(f"policy_state:{ph}", _policy_state_to_json(plan.state))
+            self.state.add_plan(time.time(), ph, [_action_json(a) for a in plan.actions],
+                                plan.target, plan.rates)
+            self._act(ph, plan)
+            self._gate.acted(ph, urgent, self._inventory(ph))
 
     def _recalibrate(self) -> None:
         """Fold the epoch's measured latencies into the correction factors (before the
@@ -623,7 +648,8 @@ def _policy_state_to_json(s: PolicyState) -> dict[str, Any]:
                            "last_shrink_s": gs.last_shrink_s if math.isfinite(gs.last_shrink_s)
                            else None, "queued": gs.queued,
                            "queued_since_s": gs.queued_since_s
-                           if math.isfinite(gs.queued_since_s) else None}
+                           if math.isfinite(gs.queued_since_s) else None,
+                           "epoch_vpods": gs.epoch_vpods}
                        for g, gs in s.groups.items()},
             "chosen": {str(i): g for i, g in s.chosen.items()},
             "allocs": {g: _finite(asdict(spec.entry)) for g, spec in s.allocs.items()},
@@ -645,7 +671,7 @@ def _policy_state_from_json(d: dict[str, Any]) -> PolicyState:
     out = PolicyState({g: GroupState(v["ewma_peak"], -math.inf if v["last_shrink_s"] is None
                                      else v["last_shrink_s"], bool(v.get("queued", False)),
                                      math.inf if v.get("queued_since_s") is None
-                                     else v["queued_since_s"])
+                                     else v["queued_since_s"], int(v.get("epoch_vpods", 0)))
                        for g, v in groups.items()})
     if "chosen" in d:
         out.chosen = {int(i): g for i, g in d["chosen"].items()}

@@ -329,9 +329,12 @@ class LoadAwarePolicy(Policy):
         window = load.matrix(buckets)             # sizing: the window (_target)
         mean = window[-self._n_epoch:].mean(axis=0)
         fallback = {i: specs[b2g[i]] for i in buckets}
-        new = self._partition(buckets, window, mean, fallback)
         cur = self._current_partition(buckets, window, mean, state, fallback)
-        parts, why = self._settle(new, cur, obs, state)
+        if cur is not None and self._between:      # an emergency plan: what runs scales out
+            parts, why = cur, REASON_KEEP + " (between epochs: only an emergency scales out)"
+        else:
+            new = self._partition(buckets, window, mean, fallback)
+            parts, why = self._settle(new, cur, obs, state)
         self._inherited = self._capacity_moved(parts, window, buckets, obs, state)
         b2g.clear()
         state.chosen, state.allocs = {}, {}

@@ -20,8 +20,10 @@ Rules (defaults in :class:`PolicyConfig`, all from §3.4):
   finished burst would hold the vPods for 30 min and, after a scale-in, scale them out again;
   the EWMA is what lets the paper's system "scale in rapidly". The window still decides which
   buckets, hence groups, exist, and the coalescing test uses the window peak.);
-* emergency scale-out when a group's peak queue exceeds its total max batch: bypasses the
-  doubling limit;
+* emergency scale-out when a group's peak aggregated queue (its vPods' and its router queue's,
+  summed) exceeds its total max batch: bypasses the doubling limit and the epoch - a driver
+  asks :class:`EmergencyGate` every sample and plans the emergency at once
+  (:meth:`Policy.plan_emergency`), at most once per start-up of what it ordered;
 * coalescing: a group with N_L = R_peak / T_pod < 0.5 merges into the group of the next longer
   bucket when that group absorbs its load without another vPod; repeated scans in ascending N_L;
 * fail-over: when the best-fit chip has no quota, the best vPod of another allowed chip version
@@ -37,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -162,6 +164,9 @@ class Observation:
     # slot within the window (s; prefill: its prompt; decode: from joining a vPod to its last
     # token)
     bucket_stay_s: Mapping[int, float] = field(default_factory=dict)
+    # False: a plan between epochs for an emergency (:meth:`Policy.plan_emergency`): nothing
+    # that is counted per epoch (sizing, growth, EWMA, re-choice) moves
+    epoch: bool = True
 
 
 @dataclass
@@ -170,6 +175,7 @@ class GroupState:
     last_shrink_s: float = -math.inf
     queued: bool = False              # the last plan's peak queue was beyond the group's slots
     queued_since_s: float = math.inf  # the first plan of that run of queued plans
+    epoch_vpods: int = 0              # its vPods when the last epoch's plan began
 
 
 @dataclass
@@ -242,6 +248,7 @@ class Policy:
         self._slo = list(slo) if slo else [math.inf] * len(db.edges)
         self.latency_fn = latency_fn
         self._lat_memo: dict[tuple[str, int], float] = {}
+        self._between = False                # this plan is an emergency's, between epochs
         if config.chips is not None:
             unknown = [c for c in config.chips if c not in db.chips]
             if unknown or not config.chips:
@@ -294,6 +301,7 @@ class Policy:
     def plan(self, obs: Observation, state: PolicyState | None = None) -> Plan:
         cfg = self.cfg
         state = state or PolicyState()
+        self._between = not obs.epoch
         actions: list[Action] = []
         series = self._window(obs)
         owned = {v.group for v in obs.inventory if v.state != VPodState.DRAINING}
@@ -326,6 +334,27 @@ class Policy:
             self._actuate(g, specs[g], want, vpods, why, avail, actions, rates, inv)
         routing = RoutingTable.build(b2g or {0: "none"}, self.edges)
         return Plan(actions, routing, new_state, specs, target, rates)
+
+    def plan_emergency(self, obs: Observation, state: PolicyState | None,
+                       groups: Iterable[str]) -> Plan:
+        """A plan between epochs for ``groups`` (those :class:`EmergencyGate` names): §3.4's
+        emergency scale-out "bypasses the doubling constraint to quickly absorb workload
+        spikes", and a spike does not wait for the epoch. Only those groups' emergency
+        scale-out is carried out, on what runs: no sizing (the growth limit, the EWMA and the
+        re-choice hold count epochs), no merge, re-choice, eviction or scale-in, and every
+        other group's state stays as the last plan left it. The driver keeps its routing
+        table (the returned ``routing`` is the plan's view, not to be published)."""
+        full = self.plan(replace(obs, epoch=False), state)
+        keep = set(groups)
+        acts = [a for a in full.actions if a.group in keep
+                and a.kind in (ActionKind.CREATE, ActionKind.UNSATISFIED)]
+        new = (state or PolicyState()).copy()
+        for g in keep:
+            if g in full.state.groups:
+                new.groups[g] = full.state.groups[g]
+        return Plan(acts, full.routing, new, full.groups,
+                    {g: n for g, n in full.target.items() if g in keep},
+                    {g: r for g, r in full.rates.items() if g in keep})
 
     def _regroup(self, load: "_GroupLoad", specs: dict[str, GroupSpec], obs: Observation,
                  state: PolicyState, owned: set[str], actions: list[Action]) -> None:
@@ -430,8 +459,11 @@ class Policy:
               now_s: float) -> tuple[int, str]:
         """N_pod = ceil(R / T_pod): at most x``growth_per_epoch`` up per epoch, at most
         /``shrink_factor`` down per ``shrink_period_s``; R is the last epoch's peak or, when
-        lower, the EWMA of epoch peaks (updated in ``gs``)."""
+        lower, the EWMA of epoch peaks (updated in ``gs``). Between epochs (an emergency plan)
+        the group keeps its size: only the emergency rule scales it."""
         cfg = self.cfg
+        if self._between:
+            return current, "between epochs"
         n_pod, r_now = self._target(spec, s, T, gs)
         if n_pod > current:
             cap = max(1, math.floor(current * cfg.growth_per_epoch)) if current else n_pod
@@ -477,16 +509,22 @@ class Policy:
                    why: str, gs: GroupState) -> tuple[int, str]:
         """Emergency scale-out past the doubling limit when the peak queue exceeds the group's
         batch slots (vPods still starting count: capacity on its way; without them every epoch
-        of a start-up would order the same vPods again), at most x``emergency_max_factor``."""
+        of a start-up would order the same vPods again), at most x``emergency_max_factor`` per
+        epoch."""
         cfg = self.cfg
         current = len(vpods)
+        if not self._between:
+            gs.epoch_vpods = current
         mb = spec.entry.max_batch
         slots = sum(v.max_batch or mb for v in vpods)
         tolerance = self._queue_tolerance(spec.id)
         if not cfg.emergency or queue <= slots * tolerance:
             return want, why
         extra = math.ceil((queue - slots * tolerance) / max(mb * tolerance, 1))
-        bound = max(current + 1, math.ceil(current * cfg.emergency_max_factor))
+        if self._between:     # x emergency_max_factor per epoch: of what ran when it began
+            bound = max(current, math.ceil(max(gs.epoch_vpods, 1) * cfg.emergency_max_factor))
+        else:
+            bound = max(current + 1, math.ceil(current * cfg.emergency_max_factor))
         new = min(current + extra, bound)
         if new <= want:
             return want, why
@@ -576,6 +614,65 @@ class Policy:
                                           v.topology, 1, v.id, v.failover))
                     return True
         return False
+
+
+class EmergencyGate:
+    """Which groups a driver plans for between epochs (:meth:`Policy.plan_emergency`): those
+    whose peak aggregated queue since the epoch began is an emergency by their policy
+    (:meth:`Policy.emergency_due`), once per start-up. A group whose emergency a plan acted on
+    (between epochs, or at the epoch) waits until the vPods it had starting then are up: what
+    is on its way is counted in its slots, and a plan before it arrives can only order more
+    for the same queue (each a full plan, 0.1-1.5 s; the paper's rule doubles per plan). An
+    emergency plan that could order nothing (quota, the plan's budget) waits for the next
+    epoch. Both drivers keep one and call :meth:`due` every sample, :meth:`acted` after
+    every plan and :meth:`new_epoch` before the epoch's plan."""
+
+    def __init__(self) -> None:
+        # (phase, group) -> the ids of its vPods starting after the plan that acted on its
+        # emergency (empty: wait for the epoch)
+        self._wait: dict[tuple[str, str], frozenset[str]] = {}
+
+    def due(self, phase: str, policy: Policy, peak_queue: Mapping[str, int],
+            inventory: Iterable[VPodRecord], at_epoch: bool = False) -> list[str]:
+        """The groups of ``phase`` to plan for now, sorted (``at_epoch``: those the epoch's
+        plan acts on - no group waits for it)."""
+        if not peak_queue:
+            return []
+        slots: dict[str, int] = {}
+        starting: dict[str, set[str]] = {}
+        for v in inventory:
+            if v.state in (VPodState.STARTING, VPodState.READY):
+                slots[v.group] = slots.get(v.group, 0) + v.max_batch
+                if v.state == VPodState.STARTING:
+                    starting.setdefault(v.group, set()).add(v.id)
+        out = []
+        for g, q in sorted(peak_queue.items()):
+            wait = None if at_epoch else self._wait.get((phase, g))
+            if wait is not None:
+                if not wait or wait & starting.get(g, set()):
+                    continue
+                del self._wait[(phase, g)]
+            if policy.emergency_due(g, q, slots.get(g, 0)):
+                out.append(g)
+        return out
+
+    def acted(self, phase: str, groups: Iterable[str],
+              inventory: Iterable[VPodRecord]) -> None:
+        """A plan acted on ``groups``' emergencies; ``inventory`` is what runs after it."""
+        groups = set(groups)
+        if not groups:
+            return
+        starting: dict[str, set[str]] = {g: set() for g in groups}
+        for v in inventory:
+            if v.group in groups and v.state == VPodState.STARTING:
+                starting[v.group].add(v.id)
+        for g, ids in starting.items():
+            self._wait[(phase, g)] = frozenset(ids)
+
+    def new_epoch(self) -> None:
+        """The epoch's plan: groups whose emergency plan ordered nothing may be planned for
+        again."""
+        self._wait = {k: w for k, w in self._wait.items() if w}
 
 
 class _GroupLoad:

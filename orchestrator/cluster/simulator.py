@@ -12,9 +12,11 @@ are routed (prefill: the vPod of the request's group with an engine free soonest
 arrival, then the least projected work, :meth:`sim.vpod.VPodEngines.backlog_s`; decode: the
 least-loaded by outstanding tokens) and submitted at their exact arrival times; prefill engines advance to the slice end; finished prefills move
 their KV to a decode vPod over DCN and join it when the transfer ends; decode engines advance;
-the slice's per-bucket token rates and per-group queues go into the window. Requests routed to
-a group with no ready vPod wait at the router. Every ``epoch_s`` the policies plan; the plan
-acts 2-5 s later (Table 3's statistics query) and make-before-break
+the slice's per-bucket token rates and per-group aggregated queues (its vPods' waiting requests
+and its router queue) go into the window. Requests routed to a group with no ready vPod wait at
+the router. Every ``epoch_s`` the policies plan, and between epochs a group whose queue is an
+emergency gets its scale-out at once (:class:`orchestrator.policy.EmergencyGate`, as the
+controller); a plan acts 2-5 s later (Table 3's statistics query) and make-before-break
 (:func:`router.routing.make_before_break`).
 
 Output-length prediction (§5.1): with probability ``accuracy`` a request is routed to the decode
@@ -42,7 +44,8 @@ from sim.lifecycle import STATS_QUERY_S
 from sim.stepcost import StepCostTable
 from sim.vpod import TableCache, engine_batch
 
-from ..policy import Action, ActionKind, Plan, Policy, PolicyConfig, PolicyState, VPodRecord
+from ..policy import (Action, ActionKind, EmergencyGate, Plan, Policy, PolicyConfig, PolicyState,
+                      VPodRecord)
 from ..window import ObservationWindow, chips_in_use
 from .accounting import Migration, SimResult, bin_minutes, phase_reports
 from .fleet import Alloc, Fleet, SimVPod, load
@@ -232,6 +235,8 @@ class ClusterSim:
                     (self._unrouted and self._routing["prefill"] is None):
                 self._epoch(t)
                 self._route_unrouted()
+            elif t < end:
+                self._emergencies(t)
             if progress:
                 progress(t)
             if t > end + 86400:
@@ -248,6 +253,8 @@ class ClusterSim:
         self._cur_p = np.zeros(nb)
         self._cur_d = [0.0] * nb
         self._states = {ph: PolicyState() for ph in PHASES}
+        self._gate = EmergencyGate()
+        self.emergency_plans = 0     # plans between epochs
         self._routing: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
         self._planned: dict[str, RoutingTable | None] = {"prefill": None, "decode": None}
         self._held: dict[str, float] = {}     # deleted vPods of groups still handing over
@@ -370,11 +377,16 @@ class ClusterSim:
         w.record("prefill", self._cur_p / dt)
         w.record("decode", np.asarray(self._cur_d) / dt)
         self._cur_d = [0.0] * len(self.db.edges)
+        queue: dict[tuple[str, str], int] = {}    # a group's aggregated queue (§3.4)
         for v in self.fleet.active:
-            if v.engine is not None:
-                w.note_queue(v.phase, v.group, v.engine.num_waiting)
-        for (ph, g), lst in self._router_q.items():
-            w.note_queue(ph, g, len(lst))
+            if v.engine is not None and v.engine.num_waiting:
+                key = (v.phase, v.group)
+                queue[key] = queue.get(key, 0) + v.engine.num_waiting
+        for key, lst in self._router_q.items():
+            if lst:
+                queue[key] = queue.get(key, 0) + len(lst)
+        for (ph, g), n in queue.items():
+            w.note_queue(ph, g, n)
 
     # ---- requests -----------------------------------------------------------------------------
     def _prefill_done(self, v: SimVPod, done: list, handoffs: list) -> None:
@@ -551,23 +563,50 @@ class ClusterSim:
         # and its actions start then (the plan itself takes milliseconds)
         act = now if warm else now + float(self.rng.uniform(*STATS_QUERY_S))
         fleet = self.fleet
+        self._gate.new_epoch()
         for ph, pol in self.policies.items():
-            inv = [VPodRecord(v.id, v.group, v.chip, v.topology, v.num_chips, v.state, v.failover,
-                        v.throughput_tok_per_s, v.max_batch)
-                   for v in fleet.active if v.phase == ph and v.delete_at_s is None
-                   and v.state in (VPodState.STARTING, VPodState.READY)]
+            inv = self._inventory(ph)
+            urgent = self._gate.due(ph, pol, self.window.peak_queue[ph], inv, at_epoch=True)
             obs = self.window.observe(ph, now, inv, self.cfg.quotas,
                                       chips_in_use(fleet.chips_held()))
             plan = pol.plan(obs, self._states[ph])
             self._states[ph] = plan.state
             self._planned[ph] = plan.routing
             self._act(ph, plan, act)
+            self._gate.acted(ph, urgent, self._inventory(ph))
             self.timeline.append({"t_s": now, "phase": ph, "target": dict(plan.target),
                                   "actions": len(plan.actions),
                                   "lengths": _lengths_served(plan.routing)})
         self.window.end_epoch()
         fleet.index_ready()
         self._route_tables(now)
+
+    def _emergencies(self, now: float) -> None:
+        """Between epochs: a group whose aggregated queue is an emergency gets its scale-out
+        now (§3.4 bypasses the epoch; :class:`orchestrator.policy.EmergencyGate`, as the
+        controller)."""
+        pq = self.window.peak_queue
+        for ph, pol in self.policies.items():
+            if not pq[ph]:
+                continue
+            inv = self._inventory(ph)
+            urgent = self._gate.due(ph, pol, pq[ph], inv)
+            if not urgent:
+                continue
+            obs = self.window.observe(ph, now, inv, self.cfg.quotas,
+                                      chips_in_use(self.fleet.chips_held()))
+            plan = pol.plan_emergency(obs, self._states[ph], urgent)
+            self._states[ph] = plan.state
+            self._act(ph, plan, now + float(self.rng.uniform(*STATS_QUERY_S)))
+            self._gate.acted(ph, urgent, self._inventory(ph))
+            self.emergency_plans += 1
+
+    def _inventory(self, phase: str) -> list[VPodRecord]:
+        """What the policy sees of ``phase``: every vPod starting or ready, not being deleted."""
+        return [VPodRecord(v.id, v.group, v.chip, v.topology, v.num_chips, v.state, v.failover,
+                           v.throughput_tok_per_s, v.max_batch)
+                for v in self.fleet.active if v.phase == phase and v.delete_at_s is None
+                and v.state in (VPodState.STARTING, VPodState.READY)]
 
     def _act(self, phase: str, plan: Plan, at_s: float) -> None:
         """Carry out a plan's vPod actions from ``at_s`` on."""

@@ -100,7 +100,8 @@ def test_the_controller_plans_at_once_only_on_the_emergency_its_policy_would_act
                        for k in range(plan.target[g])}
             c.planned["prefill"] = plan.routing
             c.window.peak_queue["prefill"][g] = queue
-            return c._urgent()
+            return c._gate.due("prefill", policy, c.window.peak_queue["prefill"],
+                               c._inventory("prefill")) == [g]
         return asyncio.run(go())
 
     slots = plan.target[g] * e.max_batch

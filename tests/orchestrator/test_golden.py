@@ -11,7 +11,11 @@ routed by each engine's projected free time at every arrival and a warm start pr
 first epoch's prefill samples (not their mean) moved 12 values of the Mooncake case, none of
 the conversation case: the quota-starved prefill asks for more than its v6e quota from the
 start, takes a fail-over vPod and meets 27.0 % of its SLO instead of 2.0 %, at 2.8x the prefill
-energy; its decode 0.63x the energy). Integers and strings must match exactly; floats to 1e-9 relative (the
+energy; its decode 0.63x the energy; the emergency rule on a group's aggregated queue (the sum
+over its vPods, as §3.4 says, not one vPod's), planned between epochs once per start-up, moved 6
+values of the Mooncake case, none of the conversation case: the quota-starved prefill starts 3
+fail-over v4 vPods instead of 1 - 1.6x the v4 vPod-hours, 4 % more prefill energy, the same 27.0 %
+SLO rate). Integers and strings must match exactly; floats to 1e-9 relative (the
 database is rebuilt on each machine: XLA's counts and the fits may differ in the last bits, and
 pricing is one formula now, which rounds differently in the last bit)."""
 import json
