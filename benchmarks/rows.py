@@ -1,7 +1,8 @@
 """A row of the results table as the row benchmarks name it (``model:trace:metric:phase``):
 checking the name and loading what a replay of it needs (``copies`` x its users, as the load
 sweep replays them). Shared by ``headroom.py``, ``seed_noise.py``, ``handoff_order.py``,
-``move_when_up.py``, ``hold_scale_in.py`` and ``paper_eval.py`` (the sweep's copies)."""
+``move_when_up.py``, ``hold_scale_in.py``, ``emergency.py`` and ``paper_eval.py`` (the sweep's
+copies)."""
 
 from __future__ import annotations
 
@@ -74,14 +75,11 @@ def load_row(row: str, start: str, hours: float, copies: int = 1) -> Row:
     return Row(arch, db, arr, inp, out, metric, phase)
 
 
-def before_after_main(doc: str, run, row: str, policies: str, start: str,
-                      hours: float, copies: int = 1) -> None:
-    """The command line of a benchmark that replays a row with a fix patched out
-    (``run(row, start, hours, True, policy, copies)``) and as shipped (``before=False``), and
-    prints per policy the efficiency and SLO rate of both and their ratio. The defaults are the
-    benchmark's own row, window and copies. Shared by ``handoff_order.py``, ``move_when_up.py``
-    and ``hold_scale_in.py``."""
-    from dse.errors import NeuScaleError
+def row_args(doc: str, row: str, policies: str, start: str, hours: float,
+             copies: int = 1) -> tuple[argparse.Namespace, list[str]]:
+    """The command line of a benchmark that replays one row under a few policies (``--row``,
+    ``--policies``, ``--start``, ``--hours``, ``--copies``; the defaults are the benchmark's
+    own), checked: the parsed arguments and the policies as a list."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--row", default=row, help="model:trace:metric:phase")
     ap.add_argument("--policies", default=policies)
@@ -93,7 +91,18 @@ def before_after_main(doc: str, run, row: str, policies: str, start: str,
     check_rows(ap, [args.row], args.hours, "--row")
     if args.copies < 1:
         ap.error("--copies must be a whole number >= 1")
-    pols = [p for p in args.policies.split(",") if p]
+    return args, [p for p in args.policies.split(",") if p]
+
+
+def before_after_main(doc: str, run, row: str, policies: str, start: str,
+                      hours: float, copies: int = 1) -> None:
+    """The command line of a benchmark that replays a row with a fix patched out
+    (``run(row, start, hours, True, policy, copies)``) and as shipped (``before=False``), and
+    prints per policy the efficiency and SLO rate of both and their ratio. The defaults are the
+    benchmark's own row, window and copies. Shared by ``handoff_order.py``, ``move_when_up.py``
+    and ``hold_scale_in.py``."""
+    from dse.errors import NeuScaleError
+    args, pols = row_args(doc, row, policies, start, hours, copies)
     x = f", {args.copies}x" if args.copies != 1 else ""
     print(f"| {args.row} ({args.hours:g} h from {args.start}{x}) | as-before: efficiency | SLO | "
           "as-shipped: efficiency | SLO | shipped / before |")
