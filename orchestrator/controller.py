@@ -156,6 +156,9 @@ class Controller:
             t = self.state.get_json(f"routing:{ph}")
             if t:
                 self.planned[ph] = _table_from_json(t)
+        g = self.state.get_json("emergency_gate")
+        if g:
+            self._gate = EmergencyGate.from_json(g)
 
     async def reconcile(self) -> None:
         """Make the state and the backend agree: adopt this cluster's vPods the state knows,
@@ -323,6 +326,7 @@ class Controller:
                                 plan.target, plan.rates)
             self._act(ph, plan)
             self._gate.acted(ph, urgent, self._inventory(ph))
+        self.state.set_json("emergency_gate", self._gate.to_json())
         self.window.end_epoch()
         self._publish()
 
@@ -347,6 +351,7 @@ class Controller:
                                 plan.target, plan.rates)
             self._act(ph, plan)
             self._gate.acted(ph, urgent, self._inventory(ph))
+            self.state.set_json("emergency_gate", self._gate.to_json())
 
     def _recalibrate(self) -> None:
         """Fold the epoch's measured latencies into the correction factors (before the

@@ -674,6 +674,18 @@ class EmergencyGate:
         again."""
         self._wait = {k: w for k, w in self._wait.items() if w}
 
+    def to_json(self) -> list[list[Any]]:
+        """What the controller keeps in its state file: ``[phase, group, [vPod ids]]`` per
+        group waiting."""
+        return [[ph, g, sorted(w)] for (ph, g), w in sorted(self._wait.items())]
+
+    @classmethod
+    def from_json(cls, rows: Iterable[Iterable[Any]]) -> "EmergencyGate":
+        gate = cls()
+        for ph, g, ids in rows:
+            gate._wait[(str(ph), str(g))] = frozenset(str(i) for i in ids)
+        return gate
+
 
 class _GroupLoad:
     """A phase's window of per-bucket token-rate samples seen through the bucket -> group map

@@ -210,8 +210,9 @@ def test_the_controller_plans_an_emergency_between_epochs_once_per_start_up(tmp_
     """The live driver: an epoch's plan starts a prefill group; a queue past its slots gets
     an emergency plan at once, without a new routing table or a new epoch; a bigger queue
     while that vPod starts gets none (the plan storm a backlog made: a plan every 10-s
-    sample); once it is up, the next may grow the group to x4 of what the epoch began with,
-    not beyond. (Rows only: no backend is asked to start anything here.)"""
+    sample), nor does a controller restarted from the state file; once it is up, the next
+    may grow the group to x4 of what the epoch began with, not beyond. (Rows only: no backend
+    is asked to start anything here.)"""
     from orchestrator.controller import Controller
     from orchestrator.state import StateStore
     from router.gateway import Gateway
@@ -249,6 +250,12 @@ def test_the_controller_plans_an_emergency_between_epochs_once_per_start_up(tmp_
         urgent(n0 * e.max_batch + 1)               # one past: one vPod more
         urgent(10_000)                             # it is starting: no second plan
         urgent(10_000)
+        # a controller restarted from the state file waits for it too
+        again = Controller(db, None, Gateway("llama3-8b", db.edges, 8192), c.state,
+                           policies=c.policies)
+        again._restore()
+        assert again._gate.due("prefill", again.policies["prefill"], {g: 10_000},
+                               again._inventory("prefill")) == []
         up()
         urgent(10_000)                             # it is up: up to x4 of the epoch's
         assert c.planned["prefill"] is table and c._last_epoch_cp == epoch_cp
