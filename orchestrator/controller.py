@@ -311,22 +311,13 @@ class Controller:
             inv = self._inventory(ph)
             urgent = self._gate.due(ph, self.policies[ph], self.window.peak_queue[ph], inv,
                                     at_epoch=True)
-            obs = self.window.observe(ph, now_cp, inv, self._quotas(now_cp),
-                                      chips_in_use((v.chip, v.num_chips)
-                                                   for v in self.vpods.values()))
-            plan = self.policies[ph].plan(obs, self.pstate[ph])
-            self.pstate[ph] = plan.state
+            plan = self.policies[ph].plan(self._observe(ph, inv, now_cp), self.pstate[ph])
             # no group at all (no traffic in the window): no table, the gateway answers 503
             # with Retry-After and counts the demand, which makes the next round plan again
             self.planned[ph] = plan.routing if plan.groups else None
-            self.state.set_json(f"policy_state:{ph}", _policy_state_to_json(plan.state))
             self.state.set_json(f"routing:{ph}", _table_to_json(plan.routing)
                                 if plan.groups else None)
-            self.state.add_plan(time.time(), ph, [_action_json(a) for a in plan.actions],
-                                plan.target, plan.rates)
-            self._act(ph, plan)
-            self._gate.acted(ph, urgent, self._inventory(ph))
-        self.state.set_json("emergency_gate", self._gate.to_json())
+            self._carry_out(ph, plan, urgent)
         self.window.end_epoch()
         self._publish()
 
@@ -339,19 +330,25 @@ class Controller:
         for ph in PHASES:
             inv = self._inventory(ph)
             urgent = self._gate.due(ph, self.policies[ph], self.window.peak_queue[ph], inv)
-            if not urgent:
-                continue
-            obs = self.window.observe(ph, now_cp, inv, self._quotas(now_cp),
-                                      chips_in_use((v.chip, v.num_chips)
-                                                   for v in self.vpods.values()))
-            plan = self.policies[ph].plan_emergency(obs, self.pstate[ph], urgent)
-            self.pstate[ph] = plan.state
-            self.state.set_json(f"policy_state:{ph}", _policy_state_to_json(plan.state))
-            self.state.add_plan(time.time(), ph, [_action_json(a) for a in plan.actions],
-                                plan.target, plan.rates)
-            self._act(ph, plan)
-            self._gate.acted(ph, urgent, self._inventory(ph))
-            self.state.set_json("emergency_gate", self._gate.to_json())
+            if urgent:
+                self._carry_out(ph, self.policies[ph].plan_emergency(
+                    self._observe(ph, inv, now_cp), self.pstate[ph], urgent), urgent)
+
+    def _observe(self, phase: str, inv: list[VPodRecord], now_cp: float):
+        return self.window.observe(phase, now_cp, inv, self._quotas(now_cp),
+                                   chips_in_use((v.chip, v.num_chips)
+                                                for v in self.vpods.values()))
+
+    def _carry_out(self, phase: str, plan: Plan, urgent: list[str]) -> None:
+        """Keep a plan's policy state and record (the state file), actuate it, and tell the
+        gate which emergencies it acted on."""
+        self.pstate[phase] = plan.state
+        self.state.set_json(f"policy_state:{phase}", _policy_state_to_json(plan.state))
+        self.state.add_plan(time.time(), phase, [_action_json(a) for a in plan.actions],
+                            plan.target, plan.rates)
+        self._act(phase, plan)
+        self._gate.acted(phase, urgent, self._inventory(phase))
+        self.state.set_json("emergency_gate", self._gate.to_json())
 
     def _recalibrate(self) -> None:
         """Fold the epoch's measured latencies into the correction factors (before the

@@ -562,14 +562,11 @@ class ClusterSim:
         # the statistics are read at ``now``; the controller gets them 2-5 s later (Table 3)
         # and its actions start then (the plan itself takes milliseconds)
         act = now if warm else now + float(self.rng.uniform(*STATS_QUERY_S))
-        fleet = self.fleet
         self._gate.new_epoch()
         for ph, pol in self.policies.items():
             inv = self._inventory(ph)
             urgent = self._gate.due(ph, pol, self.window.peak_queue[ph], inv, at_epoch=True)
-            obs = self.window.observe(ph, now, inv, self.cfg.quotas,
-                                      chips_in_use(fleet.chips_held()))
-            plan = pol.plan(obs, self._states[ph])
+            plan = pol.plan(self._observe(ph, inv, now), self._states[ph])
             self._states[ph] = plan.state
             self._planned[ph] = plan.routing
             self._act(ph, plan, act)
@@ -578,7 +575,7 @@ class ClusterSim:
                                   "actions": len(plan.actions),
                                   "lengths": _lengths_served(plan.routing)})
         self.window.end_epoch()
-        fleet.index_ready()
+        self.fleet.index_ready()
         self._route_tables(now)
 
     def _emergencies(self, now: float) -> None:
@@ -593,13 +590,15 @@ class ClusterSim:
             urgent = self._gate.due(ph, pol, pq[ph], inv)
             if not urgent:
                 continue
-            obs = self.window.observe(ph, now, inv, self.cfg.quotas,
-                                      chips_in_use(self.fleet.chips_held()))
-            plan = pol.plan_emergency(obs, self._states[ph], urgent)
+            plan = pol.plan_emergency(self._observe(ph, inv, now), self._states[ph], urgent)
             self._states[ph] = plan.state
             self._act(ph, plan, now + float(self.rng.uniform(*STATS_QUERY_S)))
             self._gate.acted(ph, urgent, self._inventory(ph))
             self.emergency_plans += 1
+
+    def _observe(self, phase: str, inv: list[VPodRecord], now: float):
+        return self.window.observe(phase, now, inv, self.cfg.quotas,
+                                   chips_in_use(self.fleet.chips_held()))
 
     def _inventory(self, phase: str) -> list[VPodRecord]:
         """What the policy sees of ``phase``: every vPod starting or ready, not being deleted."""
