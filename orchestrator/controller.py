@@ -159,6 +159,13 @@ class Controller:
         g = self.state.get_json("emergency_gate")
         if g:
             self._gate = EmergencyGate.from_json(g)
+        if any(t is not None for t in self.planned.values()):
+            # The window is not in the state file: a restarted controller has seen no traffic.
+            # Planning at its first sample would plan over an empty window - no groups, no
+            # routing table (503s until traffic made it plan again) and every adopted vPod
+            # scaled in. It keeps the routing and vPods it restored for an epoch of samples
+            # of its own (emergencies between epochs still act).
+            self._last_epoch_cp = self.now_cp()
 
     async def reconcile(self) -> None:
         """Make the state and the backend agree: adopt this cluster's vPods the state knows,

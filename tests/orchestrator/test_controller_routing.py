@@ -109,3 +109,58 @@ def test_the_controller_plans_at_once_only_on_the_emergency_its_policy_would_act
     assert not urgent(aware, slots + 1) and not urgent(aware, within)
     assert urgent(aware, within + 1)
     assert urgent(Policy(db, "prefill"), slots + 1)
+
+
+def test_a_restarted_controller_keeps_its_routing_until_it_has_seen_an_epoch(
+        tmp_path, llama8b_db):
+    """The observation window is not in the state file. A controller restarted from it keeps
+    the routing table and vPods it restored until an epoch of its own samples has passed:
+    planning at its first sample (its last epoch unknown) planned over an empty window - no
+    groups, so no routing table, every request a 503 until traffic made it plan again, and
+    every adopted vPod scaled in. The wall-clock loop itself runs here (time compressed)."""
+    import time
+
+    import numpy as np
+
+    from orchestrator.controller import ControllerConfig
+    from orchestrator.policy import Policy, PolicyConfig
+    db = llama8b_db[0]
+    i = 20
+    e = db.entry_at("prefill", i)
+    cfg = ControllerConfig(time_scale=300.0)     # a 10-s sample every 33 ms, an epoch per s
+    policies = {"prefill": Policy(db, "prefill"), "decode": Policy(db, "decode")}
+
+    async def go():
+        c = Controller(db, None, Gateway("llama3-8b", db.edges, 8192),
+                       StateStore(tmp_path / "state.db"), cfg, policies=policies)
+        c._spawn = lambda coro: coro.close()     # rows only: no backend starts anything
+        load = np.zeros(len(db.edges))
+        load[i] = 1.5 * e.throughput_tok_per_s
+        for _ in range(30):
+            c.window.record("prefill", load)
+            c.window.record("decode", np.zeros(len(db.edges)))
+        c.epoch()
+        table, vpods = c.planned["prefill"], set(c.vpods)
+        assert table is not None and vpods
+        again = Controller(db, None, Gateway("llama3-8b", db.edges, 8192), c.state, cfg,
+                           policies=policies)
+        again._spawn = lambda coro: coro.close()
+        again._restore()
+        run = asyncio.ensure_future(again.run())
+        t0 = time.monotonic()
+        seen = []
+        # a third of an epoch: a dozen samples, no traffic
+        while time.monotonic() - t0 < 0.3 * cfg.policy.epoch_s / cfg.time_scale:
+            seen.append((again.planned["prefill"], set(again.vpods)))
+            await asyncio.sleep(0.01)
+        kept = again.planned["prefill"]
+        # and once an epoch of its own samples (all without traffic) has passed, it plans
+        while again.planned["prefill"] is not None and time.monotonic() - t0 < 30:
+            await asyncio.sleep(0.01)
+        await again.stop()
+        await run
+        return table, vpods, seen, kept, again.planned["prefill"]
+    table, vpods, seen, kept, last = asyncio.run(go())
+    assert len(seen) >= 10
+    assert all(t is not None and t.groups == table.groups and v == vpods for t, v in seen)
+    assert kept is not None and last is None
