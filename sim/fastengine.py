@@ -136,6 +136,18 @@ class PrefillEngine(_FastBase):
             done += c
         return t
 
+    def batched_prompt_s(self, prompt_tokens: int) -> float:
+        """A prompt's share of a step full of prompts of its length: ``k`` = as many as the
+        batch and the batched-token budget take (one step of ``k`` x its tokens, over ``k``);
+        a prompt longer than the budget shares no step (:meth:`lone_prompt_s`). What a prompt
+        queued behind others adds to a busy engine's work: it joins the next step with them."""
+        L = max(1, int(prompt_tokens))
+        budget = max(1, self.max_batched_tokens)
+        k = min(self.max_batch, budget // L)
+        if k <= 1:
+            return self.lone_prompt_s(L)
+        return self._step(float(k * L), k * (L * (L + 1) * 0.5), 0.0, 0.0)[0] / k
+
     def tokens_out(self, r: FastRequest, t_s: float | None = None) -> int:
         """Output tokens of ``r`` that exist at engine time ``t_s`` (default: the clock): 1 once
         the step that processes its last prompt token has ended, else 0. A wall-clock driver
