@@ -336,15 +336,16 @@ class Controller:
         now_cp = self.now_cp()
         for ph in PHASES:
             inv = self._inventory(ph)
-            urgent = self._gate.due(ph, self.policies[ph], self.window.peak_queue[ph], inv)
+            urgent = self._gate.due(ph, self.policies[ph], self.window.queue_now[ph], inv)
             if urgent:
                 self._carry_out(ph, self.policies[ph].plan_emergency(
-                    self._observe(ph, inv, now_cp), self.pstate[ph], urgent), urgent)
+                    self._observe(ph, inv, now_cp, epoch=False), self.pstate[ph], urgent),
+                    urgent)
 
-    def _observe(self, phase: str, inv: list[VPodRecord], now_cp: float):
+    def _observe(self, phase: str, inv: list[VPodRecord], now_cp: float, epoch: bool = True):
         return self.window.observe(phase, now_cp, inv, self._quotas(now_cp),
                                    chips_in_use((v.chip, v.num_chips)
-                                                for v in self.vpods.values()))
+                                                for v in self.vpods.values()), epoch)
 
     def _carry_out(self, phase: str, plan: Plan, urgent: list[str]) -> None:
         """Keep a plan's policy state and record (the state file), actuate it, and tell the

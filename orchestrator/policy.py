@@ -155,6 +155,8 @@ class Observation:
     now_s: float
     bucket_token_rates: Mapping[int, np.ndarray]   # bucket -> samples (tokens/s), oldest first
     inventory: list[VPodRecord] = field(default_factory=list)
+    # group -> its aggregated queue: the peak since the epoch began (an emergency plan between
+    # epochs: the last sample's)
     group_peak_queue: Mapping[str, int] = field(default_factory=dict)
     available_chips: Mapping[str, int | None] = field(default_factory=dict)  # None: no limit
     # group -> the longest a request stayed on one of its vPods within the window (s): how long
@@ -618,14 +620,16 @@ class Policy:
 
 class EmergencyGate:
     """Which groups a driver plans for between epochs (:meth:`Policy.plan_emergency`): those
-    whose peak aggregated queue since the epoch began is an emergency by their policy
+    whose aggregated queue in the last sample is an emergency by their policy
     (:meth:`Policy.emergency_due`), once per start-up. A group whose emergency a plan acted on
     (between epochs, or at the epoch) waits until the vPods it had starting then are up: what
     is on its way is counted in its slots, and a plan before it arrives can only order more
     for the same queue (each a full plan, 0.1-1.5 s; the paper's rule doubles per plan). An
     emergency plan that could order nothing (quota, the plan's budget) waits for the next
     epoch. Both drivers keep one and call :meth:`due` every sample, :meth:`acted` after
-    every plan and :meth:`new_epoch` before the epoch's plan."""
+    every plan and :meth:`new_epoch` before the epoch's plan. (Judged on the epoch's peak
+    queue, a group whose wait ended was planned for again on a queue that the vPods it
+    waited for may have served: once they were up, a plan up to the epoch's bound.)"""
 
     def __init__(self) -> None:
         # (phase, group) -> the ids of its vPods starting after the plan that acted on its

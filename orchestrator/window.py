@@ -25,7 +25,7 @@ PHASES = ("prefill", "decode")
 
 class ObservationWindow:
     """A ring of the last ``window_s / sample_s`` rate samples per phase and bucket, plus the
-    peak queue per group since the last epoch."""
+    peak queue per group since the last epoch and the last sample's queues."""
 
     def __init__(self, num_buckets: int, config: PolicyConfig = PolicyConfig()):
         self.num_buckets = num_buckets
@@ -34,6 +34,9 @@ class ObservationWindow:
         self._ring = {ph: np.zeros((self.size, num_buckets)) for ph in PHASES}
         self._filled = {ph: 0 for ph in PHASES}
         self.peak_queue: dict[str, dict[str, int]] = {ph: {} for ph in PHASES}
+        # the last sample's queue per group: what an emergency between epochs is judged on
+        # (the epoch's peak may be a queue that the vPods ordered for it have since served)
+        self.queue_now: dict[str, dict[str, int]] = {ph: {} for ph in PHASES}
         # per epoch of the window (newest last): the longest time a request spent on a vPod
         # of each group, per phase (decode: from joining to its last token) - how long a
         # group's vPods take to drain
@@ -43,7 +46,9 @@ class ObservationWindow:
         self._stays: dict[str, deque] = {ph: deque([{}], maxlen=n_epochs) for ph in PHASES}
 
     def record(self, phase: str, token_rates: np.ndarray) -> None:
-        """One sample: tokens/s per bucket over the last ``sample_s``."""
+        """One sample: tokens/s per bucket over the last ``sample_s`` (its queues follow:
+        :meth:`note_queue`)."""
+        self.queue_now[phase] = {}
         k = self._filled[phase]
         self._ring[phase][k % self.size] = token_rates
         self._filled[phase] = k + 1
@@ -55,9 +60,13 @@ class ObservationWindow:
             self.record(phase, token_rates)
 
     def note_queue(self, phase: str, group: str, depth: int) -> None:
+        """A group's aggregated queue in this sample (after :meth:`record`)."""
         pq = self.peak_queue[phase]
         if depth > pq.get(group, 0):
             pq[group] = depth
+        now = self.queue_now[phase]
+        if depth > now.get(group, 0):
+            now[group] = depth
 
     def note_duration(self, phase: str, group: str, seconds: float) -> None:
         """A request left a vPod of ``group`` after ``seconds`` on it."""
@@ -102,13 +111,16 @@ class ObservationWindow:
         return r[:k] if k < self.size else np.roll(r, -(k % self.size), axis=0)
 
     def observe(self, phase: str, now_s: float, inventory: list[VPodRecord],
-                quotas: Mapping[str, int], used_chips: Mapping[str, int]) -> Observation:
+                quotas: Mapping[str, int], used_chips: Mapping[str, int],
+                epoch: bool = True) -> Observation:
         """The policy's input for ``phase``: per bucket with traffic its samples, the inventory,
-        the peak queues since the last :meth:`end_epoch` and the chips left under each quota
-        (chip versions without a quota are unlimited)."""
+        the queues - at an epoch (``epoch``) the peaks since the last :meth:`end_epoch`, for
+        an emergency plan between epochs the last sample's - and the chips left under each
+        quota (chip versions without a quota are unlimited)."""
         s = self.samples(phase)
         rates = {b: s[:, b] for b in range(s.shape[1]) if s[:, b].any()}
-        return Observation(now_s, rates, inventory, self.peak_queue[phase],
+        queues = self.peak_queue[phase] if epoch else self.queue_now[phase]
+        return Observation(now_s, rates, inventory, queues,
                            available_chips(quotas, used_chips), self.longest(phase),
                            self.stays(phase))
 

@@ -582,23 +582,24 @@ class ClusterSim:
         """Between epochs: a group whose aggregated queue is an emergency gets its scale-out
         now (§3.4 bypasses the epoch; :class:`orchestrator.policy.EmergencyGate`, as the
         controller)."""
-        pq = self.window.peak_queue
+        qs = self.window.queue_now
         for ph, pol in self.policies.items():
-            if not pq[ph]:
+            if not qs[ph]:
                 continue
             inv = self._inventory(ph)
-            urgent = self._gate.due(ph, pol, pq[ph], inv)
+            urgent = self._gate.due(ph, pol, qs[ph], inv)
             if not urgent:
                 continue
-            plan = pol.plan_emergency(self._observe(ph, inv, now), self._states[ph], urgent)
+            plan = pol.plan_emergency(self._observe(ph, inv, now, epoch=False),
+                                      self._states[ph], urgent)
             self._states[ph] = plan.state
             self._act(ph, plan, now + float(self.rng.uniform(*STATS_QUERY_S)))
             self._gate.acted(ph, urgent, self._inventory(ph))
             self.emergency_plans += 1
 
-    def _observe(self, phase: str, inv: list[VPodRecord], now: float):
+    def _observe(self, phase: str, inv: list[VPodRecord], now: float, epoch: bool = True):
         return self.window.observe(phase, now, inv, self.cfg.quotas,
-                                   chips_in_use(self.fleet.chips_held()))
+                                   chips_in_use(self.fleet.chips_held()), epoch)
 
     def _inventory(self, phase: str) -> list[VPodRecord]:
         """What the policy sees of ``phase``: every vPod starting or ready, not being deleted."""

@@ -210,8 +210,9 @@ def test_the_controller_plans_an_emergency_between_epochs_once_per_start_up(tmp_
     """The live driver: an epoch's plan starts a prefill group; a queue past its slots gets
     an emergency plan at once, without a new routing table or a new epoch; a bigger queue
     while that vPod starts gets none (the plan storm a backlog made: a plan every 10-s
-    sample), nor does a controller restarted from the state file; once it is up, the next
-    may grow the group to x4 of what the epoch began with, not beyond. (Rows only: no backend
+    sample), nor does a controller restarted from the state file; once it is up, a sample
+    without a queue calls no plan (the epoch's peak is the queue it served), and the next
+    queue may grow the group to x4 of what the epoch began with, not beyond. (Rows only: no backend
     is asked to start anything here.)"""
     from orchestrator.controller import Controller
     from orchestrator.state import StateStore
@@ -242,8 +243,9 @@ def test_the_controller_plans_an_emergency_between_epochs_once_per_start_up(tmp_
         n0 = len(c.vpods)
         counts = []
 
-        def urgent(queue):
-            c.window.peak_queue["prefill"][g] = queue
+        def urgent(queue):                          # a sample with this queue
+            c.window.queue_now["prefill"] = {}
+            c.window.note_queue("prefill", g, queue)
             c.emergencies()
             counts.append(len(c.vpods))
         urgent(n0 * e.max_batch)                   # at the slots: no emergency
@@ -257,9 +259,11 @@ def test_the_controller_plans_an_emergency_between_epochs_once_per_start_up(tmp_
         assert again._gate.due("prefill", again.policies["prefill"], {g: 10_000},
                                again._inventory("prefill")) == []
         up()
-        urgent(10_000)                             # it is up: up to x4 of the epoch's
+        urgent(0)          # it is up and the queue served: the epoch's peak calls no plan
+        assert c.window.peak_queue["prefill"][g] == 10_000
+        urgent(10_000)                             # a queue again: up to x4 of the epoch's
         assert c.planned["prefill"] is table and c._last_epoch_cp == epoch_cp
         return n0, counts
     n0, counts = asyncio.run(go())
     assert n0 == 2
-    assert counts == [n0, n0 + 1, n0 + 1, n0 + 1, 4 * n0]
+    assert counts == [n0, n0 + 1, n0 + 1, n0 + 1, n0 + 1, 4 * n0]
