@@ -142,7 +142,8 @@ class LoadCost:
     demand_peak: float          # vPods' worth of work at the peak
 
 
-# servers up to which Erlang B's recursion (n steps) is cheaper than its closed form
+# servers up to which Erlang B's recursion (n steps) is cheaper than its closed form, for one
+# load (a grid of loads takes the closed form at every n: :func:`_erlang_c_grid`)
 _RECURSE_UP_TO = 32
 
 
@@ -370,22 +371,19 @@ def _erlang_c_grid(servers: np.ndarray, a: np.ndarray) -> np.ndarray:
     """Erlang C for server counts ``servers`` (rows) and offered loads ``a`` (columns; 1
     where ``a >= n``). Erlang B is a Poisson(a) variable's P(X = n) / P(X <= n): in closed
     form a few array operations whatever n, where the textbook recursion takes n of them
-    (pools of hundreds of servers are sized thousands of times a plan); up to
-    ``_RECURSE_UP_TO`` servers one recursion serves every count."""
-    uniq, row = np.unique(np.asarray(servers, dtype=np.int64), return_inverse=True)
+    (pools of hundreds of servers are sized thousands of times a plan). For a grid the closed
+    form is the cheaper at every n (8 counts x 24 loads: ~45 us against the recursion's
+    70-130 us at 8-32 servers) and agrees with the recursion to 1e-14; the scalar
+    :func:`erlang_c` keeps the recursion up to ``_RECURSE_UP_TO``."""
+    n = np.asarray(servers, dtype=np.int64)
+    if n.ndim == 1 and (n.size < 2 or bool(np.all(n[1:] > n[:-1]))):   # sorted, distinct
+        uniq, row = n, slice(None)
+    else:
+        uniq, row = np.unique(n, return_inverse=True)
     a = np.asarray(a, dtype=np.float64)
     s = uniq.astype(np.float64)[:, None]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        if int(uniq[-1]) <= _RECURSE_UP_TO:
-            b_at = np.empty((len(uniq), len(a)))
-            b = np.ones_like(a)
-            for k in range(1, int(uniq[-1]) + 1):
-                b = a * b / (k + a * b)
-                j = np.searchsorted(uniq, k)
-                if j < len(uniq) and uniq[j] == k:
-                    b_at[j] = b
-        else:
-            b_at = np.exp(s * np.log(a) - a - gammaln(s + 1.0)) / pdtr(s, a)
+        b_at = np.exp(s * np.log(a) - a - gammaln(s + 1.0)) / pdtr(s, a)
         c = s * b_at / (s - a * (1.0 - b_at))
     return np.where(a < s, np.clip(np.where(a > 0, c, 0.0), 0.0, 1.0), 1.0)[row]
 

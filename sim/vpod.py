@@ -57,6 +57,7 @@ class VPodEngines:
         # Back-to-back reservations are one block: a busy stage is one interval, however many
         # prompts wait for it (a search is then over its gaps, not its prompts)
         self._stage: list[tuple[float, float]] = []
+        self._soon: tuple[float, float] | None = None     # :meth:`soonest_start`'s, until a submit
 
     def _work_of(self, r) -> int:
         return r.prompt_tokens if self._prefill else r.output_tokens
@@ -127,15 +128,43 @@ class VPodEngines:
             del st[i]
         st.insert(i, (a, b))
 
+    def soonest_start(self) -> tuple[float, float, float]:
+        """Prefill: (when the first engine is free, when the vPod can start a prompt then -
+        pipelined, once the first stage is free too -, when every engine and the stage are
+        free). They change only when a prompt is submitted, so they are kept until then: a
+        router asks every vPod at every arrival."""
+        got = self._soon
+        if got is None:
+            m = min(self.free_at)
+            got = self._soon = (m, m if self.depth == 1 else self._stage_slot(m, _TOUCH_S),
+                                max(max(self.free_at), self.stage_free_s))
+        return got
+
     def backlog_s(self, at_s: float) -> tuple[float, float]:
         """Prefill, at ``at_s``: how long until the vPod can start a prompt (an engine free
         and, pipelined, the first stage free), then the work its engines hold (seconds per
         engine) - what a router that knows each vPod's in-flight work at every arrival
         compares (a vPod that can start it now first)."""
+        return self.wait_s(at_s), self.work_s(at_s)
+
+    def wait_s(self, at_s: float) -> float:
+        """:meth:`backlog_s`'s first: how long until the vPod can start a prompt."""
+        m, first, idle_from = self.soonest_start()
+        if at_s >= idle_from:                   # nothing held: no wait
+            return 0.0
+        if at_s > m and self.depth > 1:         # an engine idle: the stage from now
+            first = self._stage_slot(at_s, _TOUCH_S)
+        return first - at_s if first > at_s else 0.0
+
+    def work_s(self, at_s: float) -> float:
+        """:meth:`backlog_s`'s second: the work the engines hold, seconds per engine."""
         f = self.free_at
-        first = min(f) if self.depth == 1 else self._stage_slot(max(min(f), at_s), _TOUCH_S)
-        return (max(0.0, first - at_s),
-                sum(x - at_s for x in f if x > at_s) / len(f))
+        if len(f) == 1:
+            x = f[0]
+            return x - at_s if x > at_s else 0.0
+        if at_s >= self.soonest_start()[2]:
+            return 0.0
+        return sum(x - at_s for x in f if x > at_s) / len(f)
 
     def choose(self, prompt: int, output: int, arrival_s: float | None = None) -> int:
         """The engine :meth:`submit` gives a request to (its index)."""
@@ -165,6 +194,7 @@ class VPodEngines:
         """:meth:`submit` to engine ``k`` (a router that picks the engine itself)."""
         gate = None
         if self._prefill:
+            self._soon = None
             start = max(self.free_at[k], arrival_s)
             if self.depth > 1:
                 st = self._stage

@@ -55,6 +55,43 @@ def load(v: SimVPod) -> float:
     return v.outstanding / v.throughput_tok_per_s
 
 
+def prefill_key(v: SimVPod, at_s: float) -> tuple[float, float, float]:
+    """What the simulator's prefill router compares at an arrival: how long until the vPod
+    can start a prompt, the work its engines hold (:meth:`sim.vpod.VPodEngines.backlog_s`),
+    then its outstanding tokens (:func:`load`); the smallest wins, ties to the first."""
+    wait_s, work_s = v.engine.backlog_s(at_s)
+    return wait_s, work_s, load(v)
+
+
+def soonest(vpods: list[SimVPod], at_s: float) -> SimVPod:
+    """The vPod of ``vpods`` with the smallest :func:`prefill_key` at ``at_s`` (ties: the
+    first) - ``min(vpods, key=...)``'s answer, without asking every vPod. A vPod whose engines
+    are all busy waits until the soonest is free (pipelined: and its first stage; either kept
+    between submits, :meth:`sim.vpod.VPodEngines.soonest_start`), one with an idle engine at
+    least 0, so vPods are asked in the order of that bound until it passes the best wait. A
+    pool of ~90 pipelined vPods (Llama3-70B prefill at 64x the Azure load) asked each of
+    them at every arrival: 92 % of that run's time."""
+    n = len(vpods)
+    if n < 3:
+        return min(vpods, key=lambda v: prefill_key(v, at_s))
+    bound = []
+    for v in vpods:          # the wait itself while every engine is busy, else below 0
+        m, first, _ = v.engine.soonest_start()
+        bound.append((first if at_s <= m else m) - at_s)
+    best_key, best_i = None, -1
+    for i in sorted(range(n), key=bound.__getitem__):
+        if best_key is not None and bound[i] > best_key[0]:
+            break                      # this and every later vPod waits longer than the best
+        v = vpods[i]
+        w = v.engine.wait_s(at_s)
+        if best_key is not None and w > best_key[0]:
+            continue                   # its work and load cannot make up for the wait
+        k = (w, v.engine.work_s(at_s), load(v))
+        if best_key is None or k < best_key or (k == best_key and i < best_i):
+            best_key, best_i = k, i
+    return vpods[best_i]
+
+
 class Fleet:
     """Every vPod of one simulated run (both phases)."""
 

@@ -48,7 +48,7 @@ from ..policy import (Action, ActionKind, EmergencyGate, Plan, Policy, PolicyCon
                       VPodRecord)
 from ..window import ObservationWindow, chips_in_use
 from .accounting import Migration, SimResult, bin_minutes, phase_reports
-from .fleet import Alloc, Fleet, SimVPod, load
+from .fleet import Alloc, Fleet, SimVPod, load, soonest
 
 PHASES = ("prefill", "decode")
 
@@ -538,7 +538,7 @@ class ClusterSim:
             # the vPod with an engine free soonest at this arrival, then the least work (the
             # live gateway counts each vPod's in-flight work as it goes; the outstanding count
             # below learns of finishes only at a slice's end, which made it round-robin)
-            v = least_loaded(vs, lambda x: (*x.engine.backlog_s(at_s), load(x)))
+            v = soonest(vs, at_s)
         else:
             v = least_loaded(vs, load)
         tokens = inp if phase == "prefill" else out

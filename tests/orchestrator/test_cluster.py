@@ -485,6 +485,41 @@ def test_prefill_goes_to_the_vpod_with_the_least_work_at_its_arrival():
     assert c.backlog_s(0.0)[0] == pytest.approx(c.stage_s(8000))
 
 
+def test_the_prefill_router_picks_what_asking_every_vpod_picks():
+    """`fleet.soonest` asks vPods in the order of when their soonest engine is free and stops
+    once that passes the best wait found; it must pick exactly the vPod that comparing every
+    vPod's (wait, work, outstanding) picks, ties to the first - on pools of pipelined and
+    unpipelined vPods, busy and idle, with equal keys among idle vPods."""
+    from orchestrator.cluster.fleet import SimVPod, prefill_key, soonest
+    rng = np.random.default_rng(11)
+    makers = {1: _pp_prefill_vpod(pp=1), 4: _pp_prefill_vpod(pp=4)}
+    waited = tied = 0
+    for trial in range(12):
+        pp = (1, 4)[trial % 2]
+        n = int(rng.integers(8, 40))
+        pool = []
+        for k in range(n):
+            v = SimVPod(f"v{k}", "g", "prefill", "v6e", "4x2", 8, None, 1, 1e4, 0.0, 0.0)
+            v.engine = makers[pp]()
+            v.outstanding = float(rng.choice([0.0, 0.0, 512.0, 2048.0]))
+            pool.append(v)
+        t = 0.0
+        for i in range(300):
+            t += float(rng.exponential(0.02 if i < 150 else 0.002))    # then a burst
+            want = min(pool, key=lambda v: prefill_key(v, t))
+            got = soonest(pool, t)
+            assert got is want, (trial, i)
+            keys = [prefill_key(v, t) for v in pool]
+            waited += keys[pool.index(got)][0] > 0               # every vPod busy: the bound stops
+            tied += sum(k[0] == 0.0 for k in keys) > 1           # idle vPods: wait ties at 0
+            got.engine.submit(i, t, int(rng.integers(64, 4096)), 1)
+            got.outstanding += 1.0
+            if rng.random() < 0.05:                     # a slice ends: engines advance
+                for v in pool:
+                    v.engine.advance_to(t)
+    assert waited > 500 and tied > 500         # both cases were exercised
+
+
 def test_the_warm_start_primes_the_window_with_the_first_epochs_prefill_samples(db, monkeypatch):
     """A running service's window holds each 10-s sample of the epoch before, peaks included;
     priming it with the epoch's mean sized the first plan for a load without its bursts (at
