@@ -238,7 +238,12 @@ class FakeTpuServer:
     def __init__(self, *, create_delay_s: float = 0.2, delete_delay_s: float = 0.1,
                  queued_delay_s: float = 0.05,
                  worker_ips: Callable[[str, int], list[str]] | None = None,
-                 clock: Callable[[], float] = time.monotonic, max_workers: int = 16):
+                 clock: Callable[[], float] = time.monotonic, max_workers: int = 16,
+                 on_gone: Callable[[str], None] | None = None):
+        """``on_gone(node_name)``: called when a node stops running - deleted or preempted -
+        so a test whose "VMs" run real processes on this machine can stop them, as a real
+        deletion or preemption stops everything on the VM."""
+        self.on_gone = on_gone
         self.create_delay_s = create_delay_s
         self.delete_delay_s = delete_delay_s
         self.queued_delay_s = queued_delay_s
@@ -337,6 +342,7 @@ class FakeTpuServer:
                 raise KeyError(node_name)
             rec.node.state = Node.State.PREEMPTED
             rec.node.network_endpoints = []
+            self._gone(node_name)
             qr = self._qrs.get(rec.node.queued_resource)
             if qr is not None and qr.delete_due is None:
                 self._set_qr_state(qr, QRState.SUSPENDED, initiator="SERVICE")
@@ -680,11 +686,16 @@ class FakeTpuServer:
         rec.node.health = Node.Health.HEALTHY
         return rec.node
 
+    def _gone(self, name: str) -> None:
+        if self.on_gone is not None:
+            self.on_gone(name)
+
     def _drop_node(self, name: str) -> None:
         rec = self._nodes.pop(name, None)
         self._guest.pop(name, None)
         if rec is None:
             return
+        self._gone(name)
         qr = self._qrs.get(rec.node.queued_resource)
         if qr is not None and qr.delete_due is None and qr.qr.state.state in (
                 QRState.ACTIVE, QRState.PROVISIONING):

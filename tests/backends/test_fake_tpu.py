@@ -246,6 +246,21 @@ def test_preempt_spot_node(server, client):
     assert server.node_names() == []
 
 
+def test_a_node_that_stops_running_is_reported_once_it_is_gone(client, server):
+    """``on_gone``: a preempted node at once, a deleted one when its deletion is done (not
+    while it is DELETING) - what stops the processes a test ran on the "VM"."""
+    gone = []
+    server.on_gone = gone.append
+    a = create(client, "n1", node_spec(scheduling_config=tpu_v2.SchedulingConfig(spot=True)))
+    b = create(client, "n2", node_spec())
+    server.preempt(a.name)
+    assert gone == [a.name]
+    op = client.delete_node(name=b.name)
+    assert client.get_node(name=b.name).state == State.DELETING and gone == [a.name]
+    op.result(timeout=10, polling=FAST_POLLING)
+    assert server.node_names() == [a.name] and gone == [a.name, b.name]
+
+
 # -- queued resources ---------------------------------------------------------------------------
 
 def qr_request(qr_id="qr1", node_id="qn1", node=None, **kw):

@@ -38,10 +38,23 @@ def cloud(tmp_path_factory):
         pytest.skip("sshd is missing: apt-get install -y openssh-server")
     sshd = LocalSSHD(extra_hosts=HOSTS)
     ips = itertools.cycle(HOSTS)           # a deleted VM's address is reused later
-    fake = FakeTpuServer(create_delay_s=0.3, delete_delay_s=0.1,
+    base = tmp_path_factory.getbasetemp()
+
+    def vm_gone(node_name: str) -> None:
+        """A deleted or preempted "VM" stops what runs on it: the engines the launcher
+        started in its directory (``<test>/hosts/<node id>``, each its own process group)."""
+        node_id = node_name.rsplit("/", 1)[-1]
+        for pid_file in base.glob(f"*/hosts/{node_id}/pid"):
+            try:
+                os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+            except (ValueError, OSError):
+                pass                        # not started, or gone already
+    fake = FakeTpuServer(create_delay_s=0.3, delete_delay_s=0.1, on_gone=vm_gone,
                          worker_ips=lambda name, n: [next(ips) for _ in range(n)]).start()
     fake.default_host_keys = dict([sshd.host_public.split()[:2]])
     yield fake, sshd
+    for name in fake.node_names():          # the fake cloud goes away with its VMs
+        vm_gone(name)
     fake.stop()
     sshd.close()
 
