@@ -57,7 +57,7 @@ class VPodEngines:
         # Back-to-back reservations are one block: a busy stage is one interval, however many
         # prompts wait for it (a search is then over its gaps, not its prompts)
         self._stage: list[tuple[float, float]] = []
-        self._soon: tuple[float, float] | None = None     # :meth:`soonest_start`'s, until a submit
+        self._soon: tuple[float, float, float] | None = None   # soonest_start(), until a submit
 
     def _work_of(self, r) -> int:
         return r.prompt_tokens if self._prefill else r.output_tokens
