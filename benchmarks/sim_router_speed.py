@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dse import load_model  # noqa: E402
 from dse.catalog import default_catalog  # noqa: E402
+from dse.errors import NeuScaleError  # noqa: E402
 from orchestrator.cluster import ClusterConfig, ClusterSim  # noqa: E402
 import orchestrator.cluster.simulator as simulator  # noqa: E402
 from orchestrator.cluster.fleet import prefill_key  # noqa: E402
@@ -54,6 +55,7 @@ def route(args) -> None:
                      np.asarray(tr.output_tokens))
     if args.scale > 1:
         arr, inp, out = replicate(arr, inp, out, args.scale)
+    print(f"route: simulating {len(arr):,} requests twice (before, shipped) ...", flush=True)
     cfg = ClusterConfig()
     pricer = ChipModelPricer(arch, cat, db.stack)
     shipped = simulator.soonest
@@ -131,13 +133,18 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-route", action="store_true")
     ap.add_argument("--skip-erlang", action="store_true")
     args = ap.parse_args(argv)
-    if args.scale < 1 or args.hours <= 0:
-        print("error: --scale must be >= 1 and --hours > 0", file=sys.stderr)
+    if args.scale < 1 or not 0 < args.hours <= 24:
+        print("error: --scale must be >= 1 and --hours in (0, 24] (the trace is one day)",
+              file=sys.stderr)
         return 2
-    if not args.skip_erlang:
-        erlang()
-    if not args.skip_route:
-        route(args)
+    try:
+        if not args.skip_erlang:
+            erlang()
+        if not args.skip_route:
+            route(args)
+    except (NeuScaleError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
