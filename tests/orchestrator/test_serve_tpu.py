@@ -46,7 +46,10 @@ def cloud(tmp_path_factory):
         node_id = node_name.rsplit("/", 1)[-1]
         for pid_file in base.glob(f"*/hosts/{node_id}/pid"):
             try:
-                os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+                pid = int(pid_file.read_text().strip())
+                # only the VM's own wrapper: a stale pid may have been reused since
+                if str(pid_file.parent) in Path(f"/proc/{pid}/cmdline").read_text():
+                    os.killpg(pid, signal.SIGKILL)
             except (ValueError, OSError):
                 pass                        # not started, or gone already
     fake = FakeTpuServer(create_delay_s=0.3, delete_delay_s=0.1, on_gone=vm_gone,
