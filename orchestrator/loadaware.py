@@ -106,7 +106,8 @@ class LoadAwarePolicy(Policy):
                                      db.stack)
         if latency_fn is None:          # the coalescing SLO check asks the same chip model
             def latency_fn(spec: GroupSpec, phase: str, length: int) -> float:
-                return pricer.cost(alloc_of(spec), phase, length).latency_s
+                c = pricer.cost(alloc_of(spec), phase, length)
+                return c.latency_s if c.fits else math.inf
         super().__init__(db, phase, config, latency_fn=latency_fn)
         self.pricer = pricer
         self.metric = db.meta.get("metric", "energy")
@@ -496,9 +497,11 @@ class LoadAwarePolicy(Policy):
         return sorted(out, key=lambda p: p[0][0])
 
     def _meets(self, spec: GroupSpec, i: int) -> bool:
-        """The allocation meets bucket ``i``'s SLO on the chip model."""
-        return (self.pricer.cost(alloc_of(spec), self.phase, self.edges[i]).latency_s
-                <= self._slo[i] * self._margin)
+        """The allocation meets bucket ``i``'s SLO on the chip model, at the batch its KV cache
+        holds at the bucket's length (``PointCost.batch``: a running group built for shorter
+        sequences runs a longer bucket's at a smaller batch than its own), and holds one."""
+        c = self.pricer.cost(alloc_of(spec), self.phase, self.edges[i])
+        return c.fits and c.latency_s <= self._slo[i] * self._margin
 
     def _load_cost(self, costs: list, seg: list[int], window: np.ndarray, mean,
                    depth: int = 1) -> LoadCost:
@@ -663,7 +666,7 @@ class LoadAwarePolicy(Policy):
             out.append((_spec_of(base, a, c, meets_slo=True), {
                 "inv_t": np.array([1.0 / x.throughput_tok_per_s for x in costs]),
                 "dyn": np.array([x.dyn_j_per_token for x in costs]),
-                "ok": lat <= slo * self._margin,
+                "ok": (lat <= slo * self._margin) & np.array([x.fits for x in costs]),
                 "lat": lat, "cyc": lat / np.array([x.in_flight for x in costs]),
                 "static": static_per_s(c, self.metric),
                 "per_vpod": self.per_vpod(costs, seg), "depth": gated_depth(a),

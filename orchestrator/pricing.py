@@ -68,6 +68,12 @@ class PointCost:
     # the next batch) - a pipeline's stages each hold one, so ~pp for a batch-1 PP vPod; 1
     # without a pipeline (a step takes what waits when it starts)
     in_flight: float = 1.0
+    # the batch the vPod runs at this length: its max batch, or as many sequences as its KV
+    # cache holds (``ChipModel.batch_at``) - an allocation built for shorter sequences serves
+    # a longer bucket at the batch its engine admits (the simulated engine's KV blocks, vLLM's
+    # scheduler), not at the one it was built for; ``fits``: at least one sequence
+    batch: int = 1
+    fits: bool = True
 
 
 class Pricer(Protocol):
@@ -97,7 +103,8 @@ class ChipModelPricer:
         if cm is None:
             cm = self._models[a.key] = ChipModel.of(self.arch, self.catalog, *a.key[:5],
                                                     stack=self.stack, attn=a.attn)
-        r = cm.step(phase, a.batch, n)
+        held = min(a.batch, cm.batch_at(n))
+        r = cm.step(phase, max(1, held), n)
         static_w = cm.hw.static_power_w * cm.par.chips
         chip = self.catalog.get(a.chip)
         shard = max_weights_bytes(self.arch, cm.par)
@@ -106,7 +113,8 @@ class ChipModelPricer:
         return PointCost(latency_s=r.latency_s, throughput_tok_per_s=r.throughput_tok_per_s,
                          dyn_j_per_token=max(0.0, r.energy_j - static_w * r.cycle_s) / r.tokens,
                          static_w=static_w, usd_per_s=chip.vpod_usd(a.num_chips, 1.0),
-                         startup_s=startup, in_flight=r.latency_s / r.cycle_s)
+                         startup_s=startup, in_flight=r.latency_s / r.cycle_s,
+                         batch=max(1, held), fits=held >= 1)
 
 
 class CalibratedPricer:

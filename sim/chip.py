@@ -509,6 +509,16 @@ class ChipModel:
         return (self.weights_bytes()
                 + math.ceil(batch / self.par.dp) * seq_len * self.kv_bytes_per_chip_token())
 
+    def batch_at(self, seq_len: int) -> int:
+        """The most sequences of ``seq_len`` tokens the KV cache (:meth:`kv_capacity_tokens`,
+        what the simulated engine's blocks hold) takes at once: each DP attention group its
+        share. 0: not even one."""
+        return (self.kv_capacity_tokens() // self.par.dp) // max(1, seq_len) * self.par.dp
+
+    def holds(self, batch: int, seq_len: int) -> bool:
+        """``batch`` sequences of ``seq_len`` tokens fit in the KV cache at once."""
+        return batch <= self.batch_at(seq_len)
+
     def kv_capacity_tokens(self, usable_fraction: float = 0.9) -> int:
         """KV-cache tokens the vPod holds once weights are loaded (per DP attention group,
         times the groups: ``ep`` in the ``"dp"`` layout, 1 under tensor-parallel attention,

@@ -275,7 +275,8 @@ class _IdealGrid:
                     cs = [self.pricer.cost(a, self.phase, edges[i]) for i in range(j + 1)]
                     rows.append(([1.0 / c.throughput_tok_per_s for c in cs],
                                  [c.dyn_j_per_token for c in cs],
-                                 [c.latency_s <= self.slo[i] for i, c in enumerate(cs)],
+                                 [c.fits and c.latency_s <= self.slo[i]
+                                  for i, c in enumerate(cs)],
                                  cs[-1].static_w, cs[-1].usd_per_s, cs[-1].latency_s))
             self._cands[j] = None if not rows else {
                 k: np.array([r[n] for r in rows])

@@ -6,8 +6,9 @@ import pytest
 
 from dse import load_model
 from orchestrator.cluster import ClusterConfig, ClusterSim, ideal_at_load_report
-from orchestrator.loadaware import LoadAwarePolicy, alloc_of
-from orchestrator.policy import GroupSpec, Observation, Policy, PolicyConfig, VPodRecord
+from orchestrator.loadaware import LoadAwarePolicy, _spec_of, alloc_of
+from orchestrator.policy import (GroupSpec, Observation, Policy, PolicyConfig, PolicyState,
+                                 VPodRecord)
 from orchestrator.pricing import Alloc, ChipModelPricer, erlang_c, servers_needed
 from orchestrator.registry import make_policies
 
@@ -488,6 +489,54 @@ def test_a_new_length_no_running_group_can_take_gets_a_group_of_its_own(db, pric
     assert plan.routing.groups[i] == g0 and "kept" in chosen(plan)[g0].reason
     gj = plan.routing.groups[j]
     assert gj != g0 and pol._meets(plan.groups[gj], j)
+
+
+def test_a_longer_length_is_priced_at_the_batch_the_kv_cache_holds(db, pricer):
+    """An allocation built for shorter sequences serves a longer bucket at the batch its KV
+    cache holds there (``ChipModel.batch_at``: what the simulated engine admits), not at the
+    batch it was built for, which may not fit: priced there, its TPOT and throughput are those
+    of the allocation at that batch. A running decode group whose full batch would miss a new
+    length's TPOT SLO, but whose engine runs a smaller batch there that meets it, keeps the
+    length (before, it started a group of its own for it, or kept lengths its HBM could not
+    hold at the throughput of the full batch)."""
+    from dataclasses import replace
+    from sim.chip import ChipModel
+    slo = db.meta["slo_s"]["decode"]
+
+    def case():
+        for i, e in enumerate(db.edges[:24]):
+            for chip in db.chips:
+                base = db.entry_at("decode", i, chip)
+                for p in (db.pareto_for("decode", e, chip) if base is not None else []):
+                    a = Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"], p["ep"],
+                              p["batch"], p.get("attn", "dp"))
+                    cm = ChipModel.of(ARCH, pricer.catalog, *a.key[:5], attn=a.attn)
+                    for j in range(i + 1, min(i + 4, len(db.edges))):
+                        c = pricer.cost(a, "decode", db.edges[j])
+                        full = cm.step("decode", a.batch, db.edges[j]).latency_s
+                        if c.batch < a.batch and c.latency_s <= slo[j] < full:
+                            return i, j, a, base, cm
+        return None
+
+    found = case()
+    assert found, "no Pareto point whose full batch misses a longer bucket that its KV limits"
+    i, j, a, base, cm = found
+    c = pricer.cost(a, "decode", db.edges[j])
+    assert c.fits and c.batch == cm.batch_at(db.edges[j]) and not cm.holds(a.batch, db.edges[j])
+    same = pricer.cost(replace(a, batch=c.batch), "decode", db.edges[j])
+    assert (c.latency_s, c.throughput_tok_per_s) == (same.latency_s, same.throughput_tok_per_s)
+    own = pricer.cost(a, "decode", db.edges[i])
+    assert own.batch == a.batch
+    spec = _spec_of(base, a, own, True)
+    e, g = spec.entry, spec.id
+    state = PolicyState(chosen={i: g}, allocs={g: spec})
+    inv = [VPodRecord(f"{g}#0", g, e.chip, e.topology, e.num_chips, "ready",
+                      throughput_tok_per_s=e.throughput_tok_per_s, max_batch=e.max_batch)]
+    pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+    assert pol._meets(spec, j)
+    r = 0.3 * e.throughput_tok_per_s
+    plan = pol.plan(Observation(300.0, {i: flat(r), j: flat(0.01 * r)}, inv), state)
+    assert plan.routing.groups[i] == plan.routing.groups[j] == g
 
 
 def test_a_new_length_that_starts_a_group_anyway_regroups_at_once_when_it_pays(db, pricer):

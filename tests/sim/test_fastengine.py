@@ -133,3 +133,31 @@ def test_step_energy_is_shared_out_to_the_requests(mode, table):
     # longer prompts (prefill) / more output tokens (decode) take a larger share
     size = [h.prompt_tokens if mode == "prefill" else h.output_tokens for h in hs]
     assert np.corrcoef(size, [h.energy_j for h in hs])[0, 1] > 0.8
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_the_chip_models_kv_fit_is_what_the_decode_engine_admits(fits):
+    """``ChipModel.holds(batch, length)`` - the policy's test that an allocation's batch fits
+    at a bucket's length - agrees with the simulated engine's KV blocks: a batch that holds
+    runs all at once; one that does not never does (the engine admits what its KV takes)."""
+    from dse import default_catalog, load_model
+    from dse.costmodel import Parallelism
+    from dse.vpod import ICITopology
+    from sim.chip import ChipModel
+    from sim.stepcost import StepCostTable
+    cm = ChipModel(load_model("llama3-8b"), default_catalog().get("v6e"),
+                   ICITopology.parse("1x1"), Parallelism(1))
+    batch, out = 64, 8
+    cap = cm.kv_capacity_tokens()
+    # the longest sequences that hold (with a block's rounding to spare), or 10 % too long
+    length = (cap // batch - 32) if fits else int(1.1 * cap / batch)
+    assert cm.holds(batch, length) is fits
+    e = DecodeEngine(StepCostTable(cm), max_batch=batch)
+    for k in range(batch):
+        e.submit(k, 0.0, length - out, out)
+    most, t, done = 0, 0.0, []
+    while len(done) < batch:
+        t += 1e-3
+        done += e.advance_to(t)
+        most = max(most, e.n)
+    assert (most == batch) is fits
