@@ -1,14 +1,15 @@
 """What one long prompt costs the Ideal-at-load oracle in an epoch of light prefill load.
 
 Ideal-at-load (``orchestrator.cluster.accounting._IdealGrid``) serves each group of
-consecutive buckets on a Pareto point of the group's *longest* bucket. A light load of short
-prompts (OpenThoughts-like: 27 prompts/min of ~246 tokens) fits one small vPod; one prompt
-of a few thousand tokens in the same 5-minute epoch forces the oracle onto a point of the long
-bucket's front (or a second group), for the whole epoch. A running policy instead keeps its
-allocation when a longer bucket joins, if that allocation still meets the longer bucket's
-SLO - a point on a shorter bucket's front, which the oracle does not consider. This prints the
-oracle's average power (or $/h) for the short load alone and with one prompt of each length
-added, on the model's verified database.
+consecutive buckets on the cheapest Pareto point, of any bucket's front, that meets every
+bucket's SLO. A light load of short prompts (OpenThoughts-like: 27 prompts/min of ~246 tokens)
+fits one small vPod; one prompt of a few thousand tokens in the same 5-minute epoch should cost
+little more when that vPod also meets the long prompt's SLO. Until 2026-12-07 the oracle took
+only the points of a group's *longest* bucket and paid twice for such an epoch (DeepSeek-V3:
+2,027 W -> 4,061 W with one 4,096-token prompt), which a running policy - keeping its
+allocation when a longer bucket joins - did not; this prints the oracle's average power (or
+$/h) for the short load alone and with one prompt of each length added, on the model's
+verified database.
 
     python benchmarks/ial_long_prompt.py                          # deepseek-v3, energy
     python benchmarks/ial_long_prompt.py --model llama3-70b --metric cost

@@ -197,8 +197,8 @@ def ideal_at_load_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens
     every phase's load - the mean tokens/s of each sequence bucket - served at the least cost
     any grouping can reach with no provisioning delay and no queueing: buckets split into
     groups of consecutive lengths (routing is by length), each group on the Pareto point (of
-    its longest bucket, any chip or ``chips``) that meets the SLO of all its buckets on the chip
-    model and minimises ``ceil(sum of rate / throughput)`` vPods' static power (or price) plus
+    any bucket's front, any chip or ``chips``; :class:`_IdealGrid`) that meets the SLO of all
+    its buckets on the chip model, at the batch it holds at each length, and minimises ``ceil(sum of rate / throughput)`` vPods' static power (or price) plus
     the tokens' dynamic energy; the split is an exact dynamic programme over the buckets. Every
     request's tokens pay its group's cost per token. A bucket no point meets the SLO of takes
     its fastest point alone (its requests miss the SLO). Requests beyond the largest bucket are
@@ -220,7 +220,8 @@ def ideal_at_load_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens
         tokens = inp if ph == "prefill" else out - 1
         mask = ok & (tokens > 0)
         b = np.searchsorted(np.asarray(db.edges), np.clip(length, 1, longest))
-        grid = _IdealGrid(db, pricer, ph, metric, chips)
+        grid = _IdealGrid(db, pricer, ph, metric, chips,
+                          upto=int(b[mask].max()) + 1 if mask.any() else 1)
         r = rep[ph]
         for e in np.unique(epoch[mask]).tolist():
             sel = mask & (epoch == e)
@@ -250,37 +251,64 @@ def ideal_at_load_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens
 
 
 class _IdealGrid:
-    """Per bucket j, its Pareto points (all chips) priced at every bucket i <= j on the chip
-    model: throughput, dynamic energy per token, SLO met; static power and price."""
+    """Every Pareto point the database keeps for the phase (every bucket's front, the allowed
+    chips), priced at every bucket on the chip model at the batch it holds there: throughput,
+    dynamic energy per token, SLO met (with at least one sequence held); static power and
+    price. A segment of buckets ending at bucket j may run on any point that meets the SLO of
+    each of its buckets - a shorter bucket's point that still meets a longer one's (what a
+    running NeuScale group keeps when a longer bucket joins it) as well as a longer one's -
+    so the oracle is a bound over every allocation the policy can run. (Until 2026-12-07 it
+    took the Pareto points of the segment's longest bucket only, and NeuScale beat it on two
+    rows.)"""
 
-    def __init__(self, db: BestFitDB, pricer, phase: str, metric: str, chips):
+    def __init__(self, db: BestFitDB, pricer, phase: str, metric: str, chips,
+                 upto: int | None = None):
+        """``upto``: price the buckets below this index only (the trace's longest bucket + 1;
+        every bucket by default) - pricing every point at every length is the oracle's cost."""
         from orchestrator.pricing import Alloc
+        self.upto = len(db.edges) if upto is None else max(1, min(int(upto), len(db.edges)))
         self.db, self.pricer, self.phase, self.metric = db, pricer, phase, metric
         self.chips = list(chips or db.chips)
         self.slo = np.asarray(db.meta["slo_s"][phase])
         self._Alloc = Alloc
+        self._all: dict | None = None
         self._cands: dict[int, dict | None] = {}
 
-    def cands(self, j: int) -> dict | None:
-        """Bucket ``j``'s Pareto points (all chips) as arrays, rows the points: 1 / throughput,
-        dynamic energy per token and SLO met at every bucket up to ``j`` (columns); static
-        power, price per second and latency at ``j``. None without any point."""
-        if j not in self._cands:
+    def _table(self) -> dict:
+        """Every distinct Pareto point (rows) priced at every bucket (columns), once."""
+        if self._all is None:
+            edges = self.db.edges[:self.upto]
+            allocs: dict = {}
+            for e in self.db.edges:
+                for chip in self.chips:
+                    for p in self.db.pareto_for(self.phase, e, chip):
+                        allocs.setdefault(self._Alloc(chip, p["topology"], p["num_chips"],
+                                                      p["tp"], p["pp"], p["ep"], p["batch"],
+                                                      p["attn"]), None)
             rows = []
-            edges = self.db.edges
-            for chip in self.chips:
-                for p in self.db.pareto_for(self.phase, edges[j], chip):
-                    a = self._Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"],
-                                    p["ep"], p["batch"], p["attn"])
-                    cs = [self.pricer.cost(a, self.phase, edges[i]) for i in range(j + 1)]
-                    rows.append(([1.0 / c.throughput_tok_per_s for c in cs],
-                                 [c.dyn_j_per_token for c in cs],
-                                 [c.fits and c.latency_s <= self.slo[i]
-                                  for i, c in enumerate(cs)],
-                                 cs[-1].static_w, cs[-1].usd_per_s, cs[-1].latency_s))
-            self._cands[j] = None if not rows else {
-                k: np.array([r[n] for r in rows])
-                for n, k in enumerate(("inv_t", "dyn", "ok", "static_w", "usd_s", "lat"))}
+            for a in allocs:
+                cs = [self.pricer.cost(a, self.phase, x) for x in edges]
+                rows.append(([1.0 / c.throughput_tok_per_s for c in cs],
+                             [c.dyn_j_per_token for c in cs],
+                             [c.fits and c.latency_s <= self.slo[i] for i, c in enumerate(cs)],
+                             [c.fits for c in cs], [c.latency_s for c in cs],
+                             cs[0].static_w, cs[0].usd_per_s))
+            self._all = {k: np.array([r[n] for r in rows]) for n, k in enumerate(
+                ("inv_t", "dyn", "ok", "fits", "lat", "static_w", "usd_s"))}
+            self.allocs = list(allocs)               # the rows' allocations, in order
+        return self._all
+
+    def cands(self, j: int) -> dict | None:
+        """The points that hold a sequence of bucket ``j``'s length, as arrays (rows: points):
+        1 / throughput, dynamic energy per token and SLO met at every bucket up to ``j``
+        (columns); static power, price per second and latency at ``j``. None without any."""
+        if j not in self._cands:
+            t = self._table()
+            rows = np.nonzero(t["fits"][:, j])[0] if len(t["inv_t"]) else np.zeros(0, int)
+            self._cands[j] = None if not rows.size else {
+                "inv_t": t["inv_t"][rows, :j + 1], "dyn": t["dyn"][rows, :j + 1],
+                "ok": t["ok"][rows, :j + 1], "static_w": t["static_w"][rows],
+                "usd_s": t["usd_s"][rows], "lat": t["lat"][rows, j]}
         return self._cands[j]
 
     def solve(self, rates: np.ndarray) -> dict[int, tuple[float, float, bool]]:

@@ -189,6 +189,46 @@ def test_ideal_at_load_is_between_the_policies_and_the_full_batch_ideal(db, pric
         assert at_load[ph].tokens == full[ph].tokens
 
 
+def test_ideal_at_load_is_a_bound_over_every_pareto_point(db, pricer):
+    """The oracle's epoch cost is at most that of any Pareto point of any bucket (a running
+    group keeps a shorter bucket's point when a longer one joins it) serving the epoch alone,
+    and below what it paid when it took only the segment's longest bucket's points: a light
+    decode load of short answers and one longer bucket."""
+    from orchestrator.cluster.accounting import _IdealGrid
+    slo = np.asarray(db.meta["slo_s"]["decode"])
+    grid = _IdealGrid(db, pricer, "decode", "energy", None)
+    t = grid._table()
+
+    def single(rows, rates, act):
+        """The cheapest one group of ``rows`` serving ``act`` (W), inf if none meets them."""
+        ok = t["ok"][np.ix_(rows, act)].all(axis=1)
+        n = np.ceil((t["inv_t"][np.ix_(rows, act)] * rates[act]).sum(axis=1) - 1e-9)
+        w = n * t["static_w"][rows] + (t["dyn"][np.ix_(rows, act)] * rates[act]).sum(axis=1)
+        return float(np.where(ok, w, np.inf).min())
+
+    def front_rows(k):
+        keys = {(c, p["topology"], p["tp"], p["pp"], p["ep"], p["batch"], p["attn"])
+                for c in db.chips for p in db.pareto_for("decode", db.edges[k], c)}
+        return [r for r, a in enumerate(grid.allocs)
+                if (a.chip, a.topology, a.tp, a.pp, a.ep, a.batch, a.attn) in keys]
+
+    everything = np.arange(len(t["static_w"]))
+    beaten = 0
+    for i, j in ((0, 2), (0, 3), (2, 5), (4, 6)):
+        rates = np.zeros(len(db.edges))
+        rates[i], rates[j] = 20.0, db.edges[j] / 300.0
+        got = grid.solve(rates)
+        cost = sum(rates[b] * got[b][0] for b in got)
+        assert all(got[b][2] for b in (i, j))
+        assert cost <= single(everything, rates, [i, j]) * (1 + 1e-9)
+        # what the oracle took before: a group on bucket j's front, or each bucket on its own
+        before = min(single(front_rows(j), rates, [i, j]),
+                     single(front_rows(i), rates, [i]) + single(front_rows(j), rates, [j]))
+        assert cost <= before * (1 + 1e-9)
+        beaten += cost < 0.9 * before
+    assert beaten
+
+
 def test_the_controllers_saved_state_plans_like_the_live_one(db, pricer):
     """The controller persists the policy's memory (EWMA peaks, the chosen allocations and a
     pending re-choice) across a restart: a policy fed the reloaded state plans the same."""
