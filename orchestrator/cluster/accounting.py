@@ -198,8 +198,9 @@ def ideal_at_load_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens
     any grouping can reach with no provisioning delay and no queueing: buckets split into
     groups of consecutive lengths (routing is by length), each group on the Pareto point (of
     any bucket's front, any chip or ``chips``; :class:`_IdealGrid`) that meets the SLO of all
-    its buckets on the chip model, at the batch it holds at each length, and minimises ``ceil(sum of rate / throughput)`` vPods' static power (or price) plus
-    the tokens' dynamic energy; the split is an exact dynamic programme over the buckets. Every
+    its buckets on the chip model, at the batch it holds at each length, and minimises
+    ``ceil(sum of rate / throughput)`` vPods' static power (or price) plus the tokens' dynamic
+    energy; the split is an exact dynamic programme over the buckets. Every
     request's tokens pay its group's cost per token. A bucket no point meets the SLO of takes
     its fastest point alone (its requests miss the SLO). Requests beyond the largest bucket are
     dropped, as everywhere."""
@@ -272,6 +273,7 @@ class _IdealGrid:
         self.slo = np.asarray(db.meta["slo_s"][phase])
         self._Alloc = Alloc
         self._all: dict | None = None
+        self.allocs: list = []                       # the table's rows, once priced
         self._cands: dict[int, dict | None] = {}
 
     def _table(self) -> dict:
@@ -279,7 +281,7 @@ class _IdealGrid:
         if self._all is None:
             edges = self.db.edges[:self.upto]
             allocs: dict = {}
-            for e in self.db.edges:
+            for e in self.db.edges:          # every front, a longer bucket's too
                 for chip in self.chips:
                     for p in self.db.pareto_for(self.phase, e, chip):
                         allocs.setdefault(self._Alloc(chip, p["topology"], p["num_chips"],
