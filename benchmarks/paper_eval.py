@@ -42,6 +42,20 @@ COLS = ("neuscale", "neuscale-paper", "base", "ideal", "ideal-at-load")
 PAPER = {"energy": 1.13, "cost": 1.43, "slo": 1.36}    # §5.2-5.3's geometric means
 
 
+_PRICERS: dict = {}
+
+
+def _pricer(model: str, arch, cat, stack) -> ChipModelPricer:
+    """One pricer per model and serving stack in a worker process, kept across its runs: the
+    chip model's price of an allocation at a length is the same in every run (and in every
+    column), so a model's runs share what was priced once - Ideal-at-load prices every Pareto
+    point at every loaded length, the bulk of its time."""
+    key = (model, getattr(stack, "name", stack))
+    if key not in _PRICERS:
+        _PRICERS[key] = ChipModelPricer(arch, cat, stack)
+    return _PRICERS[key]
+
+
 def run_one(job: tuple) -> str:
     kind, model, trace, metric, hours, start, scale, out_dir, *rest = job
     rerun = tuple(rest[0]) if rest else ()
@@ -68,7 +82,7 @@ def run_one(job: tuple) -> str:
     if kind == "sweep" and scale != 1:
         arr, inp, out = replicate(arr, inp, out, int(scale))
     cfg = ClusterConfig()
-    pricer = ChipModelPricer(arch, cat, db.stack)
+    pricer = _pricer(model, arch, cat, db.stack)
     res = {"kind": kind, "model": model, "trace": trace, "metric": metric, "rate_scale": scale,
            "hours": hours, "summary": tr.summary(), "note": tr.note, "policies": {},
            "wall_s": {}}

@@ -221,8 +221,7 @@ def ideal_at_load_report(arch: ModelArch, db: BestFitDB, arrival_s, input_tokens
         tokens = inp if ph == "prefill" else out - 1
         mask = ok & (tokens > 0)
         b = np.searchsorted(np.asarray(db.edges), np.clip(length, 1, longest))
-        grid = _IdealGrid(db, pricer, ph, metric, chips,
-                          upto=int(b[mask].max()) + 1 if mask.any() else 1)
+        grid = _IdealGrid(db, pricer, ph, metric, chips, buckets=np.unique(b[mask]).tolist())
         r = rep[ph]
         for e in np.unique(epoch[mask]).tolist():
             sel = mask & (epoch == e)
@@ -263,11 +262,16 @@ class _IdealGrid:
     rows.)"""
 
     def __init__(self, db: BestFitDB, pricer, phase: str, metric: str, chips,
-                 upto: int | None = None):
-        """``upto``: price the buckets below this index only (the trace's longest bucket + 1;
-        every bucket by default) - pricing every point at every length is the oracle's cost."""
+                 buckets: Sequence[int] | None = None):
+        """``buckets``: price the points at these buckets only (the ones the trace loads;
+        every bucket by default) - pricing every point at every length is the oracle's cost,
+        and :meth:`solve` reads a bucket's column only when it has load. The other columns
+        hold no point."""
         from orchestrator.pricing import Alloc
-        self.upto = len(db.edges) if upto is None else max(1, min(int(upto), len(db.edges)))
+        nb = len(db.edges)
+        self.buckets = sorted({int(j) for j in (range(nb) if buckets is None else buckets)
+                               if 0 <= int(j) < nb}) or [0]
+        self.upto = self.buckets[-1] + 1
         self.db, self.pricer, self.phase, self.metric = db, pricer, phase, metric
         self.chips = list(chips or db.chips)
         self.slo = np.asarray(db.meta["slo_s"][phase])
@@ -279,7 +283,6 @@ class _IdealGrid:
     def _table(self) -> dict:
         """Every distinct Pareto point (rows) priced at every bucket (columns), once."""
         if self._all is None:
-            edges = self.db.edges[:self.upto]
             allocs: dict = {}
             for e in self.db.edges:          # every front, a longer bucket's too
                 for chip in self.chips:
@@ -287,16 +290,19 @@ class _IdealGrid:
                         allocs.setdefault(self._Alloc(chip, p["topology"], p["num_chips"],
                                                       p["tp"], p["pp"], p["ep"], p["batch"],
                                                       p["attn"]), None)
-            rows = []
-            for a in allocs:
-                cs = [self.pricer.cost(a, self.phase, x) for x in edges]
-                rows.append(([1.0 / c.throughput_tok_per_s for c in cs],
-                             [c.dyn_j_per_token for c in cs],
-                             [c.fits and c.latency_s <= self.slo[i] for i, c in enumerate(cs)],
-                             [c.fits for c in cs], [c.latency_s for c in cs],
-                             cs[0].static_w, cs[0].usd_per_s))
-            self._all = {k: np.array([r[n] for r in rows]) for n, k in enumerate(
-                ("inv_t", "dyn", "ok", "fits", "lat", "static_w", "usd_s"))}
+            n, cols = len(allocs), self.buckets
+            t = {k: np.zeros((n, self.upto), dtype=bool if k in ("ok", "fits") else float)
+                 for k in ("inv_t", "dyn", "ok", "fits", "lat")}
+            t["static_w"], t["usd_s"] = np.zeros(n), np.zeros(n)
+            for r, a in enumerate(allocs):
+                for j in cols:
+                    c = self.pricer.cost(a, self.phase, self.db.edges[j])
+                    t["inv_t"][r, j], t["dyn"][r, j] = 1.0 / c.throughput_tok_per_s, \
+                        c.dyn_j_per_token
+                    t["ok"][r, j] = c.fits and c.latency_s <= self.slo[j]
+                    t["fits"][r, j], t["lat"][r, j] = c.fits, c.latency_s
+                t["static_w"][r], t["usd_s"][r] = c.static_w, c.usd_per_s
+            self._all = t
             self.allocs = list(allocs)               # the rows' allocations, in order
         return self._all
 

@@ -229,6 +229,26 @@ def test_ideal_at_load_is_a_bound_over_every_pareto_point(db, pricer):
     assert beaten
 
 
+def test_ideal_at_load_prices_only_the_loaded_buckets_and_solves_the_same(db):
+    """The oracle prices its points at the buckets the trace loads only; on those loads it
+    chooses exactly what pricing every bucket chooses, with fewer chip-model prices."""
+    from dse import default_catalog
+    from orchestrator.cluster.accounting import _IdealGrid
+    loaded = [0, 3, 5, 9]
+    rates = np.zeros(len(db.edges))
+    rates[loaded] = [30.0, 8.0, 2.0, 0.5]
+    grids = {}
+    for name, buckets in (("every", None), ("loaded", loaded)):
+        p = ChipModelPricer(ARCH, default_catalog(), db.stack)
+        grids[name] = (_IdealGrid(db, p, "decode", "energy", None, buckets=buckets), p)
+    every, loaded_only = grids["every"][0].solve(rates), grids["loaded"][0].solve(rates)
+    assert sorted(every) == loaded and every == loaded_only
+    points = len(grids["every"][0].allocs)
+    assert points == len(grids["loaded"][0].allocs) > 100
+    assert len(grids["every"][1]._memo) == points * len(db.edges)
+    assert len(grids["loaded"][1]._memo) == points * len(loaded)
+
+
 def test_the_controllers_saved_state_plans_like_the_live_one(db, pricer):
     """The controller persists the policy's memory (EWMA peaks, the chosen allocations and a
     pending re-choice) across a restart: a policy fed the reloaded state plans the same."""
