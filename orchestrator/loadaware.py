@@ -97,6 +97,16 @@ def _spec_of(base, a: Alloc, c, meets_slo: bool) -> GroupSpec:
 class LoadAwarePolicy(Policy):
     """:class:`Policy` with the allocation of every group chosen at its load (module doc)."""
 
+    # Decode: a point of another bucket's front is a candidate for a segment only where its KV
+    # cache holds at least this many sequences of the segment's longest length. The queue
+    # model counts a vPod's sequences as interchangeable slots (:meth:`per_vpod`); where one
+    # longest sequence fills most of the cache it blocks the others - a knapsack, not a queue
+    # of slots - and the model sizes it short (Llama3-8B decode on the LV-Eval-like trace,
+    # 2 h: v5p-1 and v6e-4 groups that hold 1-2 sequences of 393 K tokens, 97.2 % of TPOTs
+    # against 100 %, the misses at the hand-overs between them). The bucket's own front keeps
+    # every point, as before.
+    OTHER_FRONT_HELD = 2.0
+
     def __init__(self, db: BestFitDB, phase: str, config: PolicyConfig = PolicyConfig(),
                  pricer: Pricer | None = None, latency_fn=None):
         if pricer is None:
@@ -118,6 +128,8 @@ class LoadAwarePolicy(Policy):
         # 1, the DSE's test, by default - see there why not less)
         self._margin = 1.0 if phase == "prefill" else config.decode_step_margin
         self._fronts: dict[tuple[int, ...], dict | None] = {}
+        self._cands: list[Alloc] | None = None   # every verified point of every front
+        self._cols: dict[int, dict] = {}         # per bucket: the candidates priced there
         self._need: dict[str, int] = {}        # per group: vPods its last epoch's peak needs
         self._priced_at = getattr(pricer, "version", 0)   # a calibrated pricer's factors
         self._inherited: dict[str, int] = {}   # per group: capacity taken over this plan
@@ -131,6 +143,7 @@ class LoadAwarePolicy(Policy):
         if v != self._priced_at:
             self._priced_at = v
             self._fronts.clear()
+            self._cols.clear()
             self._slack.clear()
             self._tol.clear()
             self._lat_memo.clear()
@@ -194,7 +207,7 @@ class LoadAwarePolicy(Policy):
                          [float(r) / self.edges[i] for r, i in zip(token_rates, buckets)],
                          depth)
 
-    def per_vpod(self, costs: list, buckets: list[int]) -> int:
+    def per_vpod(self, costs: list, buckets: list[int], token_rates=None) -> int:
         """Servers in a vPod, at the group's longest bucket. Decode: the sequences it holds at
         once (throughput x TPOT), each a slot a request keeps to its end. Prefill: one - a
         step takes what is waiting when it starts, so a prompt that arrives during a step
@@ -204,10 +217,23 @@ class LoadAwarePolicy(Policy):
         counted in cycles (:meth:`slack`). (Counted as PP servers each busy for the whole
         latency, it would run its vPods hotter than a tandem of stages can: Erlang C's
         k-server prefactor is below one server's at the same utilisation, while both decay
-        alike.)"""
+        alike.)
+        Decode over a mix (``token_rates``, tokens/s per bucket): a vPod's slots are its KV
+        cache's, shared by sequences of every length it serves - the sequences in flight over
+        the vPods' worth of work (Little: a bucket's sequences in flight are its token rate x
+        TPOT; its work, rate / throughput), the held batch's harmonic mean by the sequences in
+        flight. At the longest bucket alone (without rates) a vPod that holds one 393 K-token
+        sequence counts one slot, though most of what it serves is shorter and it holds
+        several."""
         if self.phase == "prefill":
             return 1
         c = costs[-1]
+        if token_rates is not None:
+            r = np.asarray(token_rates, dtype=np.float64)
+            work = float(sum(x / k.throughput_tok_per_s for x, k in zip(r, costs)))
+            if work > 0:
+                flight = float(sum(x * k.latency_s for x, k in zip(r, costs)))
+                return max(1, round(flight / work))
         return max(1, round(c.throughput_tok_per_s * c.latency_s))
 
     def _demand(self, g: str, spec: GroupSpec, load: _GroupLoad) -> tuple[np.ndarray, float]:
@@ -218,7 +244,7 @@ class LoadAwarePolicy(Policy):
         costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in buckets]
         rates = load.matrix(buckets).mean(axis=0)
         self._slack[g] = (self.queue_slack(costs, buckets, rates, gated_depth(a)),
-                          self.per_vpod(costs, buckets), self.phase == "prefill")
+                          self.per_vpod(costs, buckets, rates), self.phase == "prefill")
         self._tol[g] = self.slack(costs, buckets)
         self._ahead[g] = self._ahead_of(costs[-1].startup_s)
         t_ref = costs[-1].throughput_tok_per_s
@@ -506,7 +532,8 @@ class LoadAwarePolicy(Policy):
     def _load_cost(self, costs: list, seg: list[int], window: np.ndarray, mean,
                    depth: int = 1) -> LoadCost:
         return cost_per_s(costs, window, [float(x) for x in mean], self.metric,
-                          self.queue_slack(costs, seg, mean, depth), self.per_vpod(costs, seg),
+                          self.queue_slack(costs, seg, mean, depth),
+                          self.per_vpod(costs, seg, mean),
                           self.phase == "prefill", recent=self._n_epoch,
                           ahead=self._ahead_of(costs[-1].startup_s))
 
@@ -564,7 +591,7 @@ class LoadAwarePolicy(Policy):
         computed only where a lower bound (the vPods (1 - 5 %) x the mean demand of the window,
         or of its last epoch, needs at least) leaves it a chance, cheapest bound first. Among
         equal bounds ties go to the earlier point, then the longer segment."""
-        specs, valid = front["specs"], front["valid"]          # valid: ok from i to j
+        valid = front["valid"]                                 # valid: ok from i to j
         n_cols = j + 1
         x = window[:, None, :n_cols] * front["inv_t"][None, :, :]
         series = np.cumsum(x[:, :, ::-1], axis=2)[:, :, ::-1]    # samples x points x i
@@ -582,6 +609,13 @@ class LoadAwarePolicy(Policy):
         # exact costs lower the bar the others' bounds must pass
         order = np.lexsort((cols, rows, lower[rows, cols]))
         req = mean[:n_cols] / front["edge"]
+        if not prefill:     # slots over the segment's mix (per_vpod): in flight / work
+            flight = np.cumsum((mean[:n_cols][None, :] * front["lat"])[:, ::-1], axis=1)[:, ::-1]
+            work = np.cumsum((mean[:n_cols][None, :] * front["inv_t"])[:, ::-1],
+                             axis=1)[:, ::-1]
+            mix = flight / np.where(work > 0, work, 1.0)
+            slots = np.where(work > 0, np.round(mix), front["per_vpod"][:, None])
+            slots = np.maximum(slots, 1.0)
         for r, i in zip(rows[order], cols[order]):
             if lower[r, i] >= best[j + 1]:
                 break
@@ -590,45 +624,75 @@ class LoadAwarePolicy(Policy):
                               req[i:], int(front["depth"][r]))
             else:
                 q = 0.0
-            n = servers_for_window(series[:, r, i], q, int(front["per_vpod"][r]), prefill,
+            k = int(front["per_vpod"][r]) if prefill else int(slots[r, i])
+            n = servers_for_window(series[:, r, i], q, k, prefill,
                                    recent=self._n_epoch, ahead=float(front["ahead"][r]))
             cost = n * float(static[r, 0]) + float(dj[r, i])
             if float(base[0, i]) + cost < best[j + 1]:
                 best[j + 1] = best_arr[j + 1] = float(base[0, i]) + cost
-                how[j + 1] = (int(i), specs[r], n, float(peaks[r, i]), cost,
+                how[j + 1] = (int(i), self._spec_at(front, int(r)), n, float(peaks[r, i]), cost,
                               float(mean[i:j + 1].sum()))
 
     def _front(self, buckets: list[int], j: int) -> dict | None:
-        """The Pareto points of bucket ``buckets[j]`` stacked as arrays (rows: points, columns:
-        buckets up to j), or None when no point meets bucket j's SLO."""
+        """The candidate points (:meth:`_candidates`) that meet bucket ``buckets[j]``'s SLO,
+        as arrays (rows: points, columns: buckets up to j): 1 / throughput, dynamic energy
+        per token, SLO met (with the decode margin), latency and cycle (the queue's mix,
+        :meth:`queue_slack`); per point its static cost per second, servers per vPod at
+        bucket j, pipeline depth and start-up. Rows valid for no segment are dropped. None
+        when no point meets bucket j's SLO."""
         key = tuple(buckets[:j + 1])
         if key in self._fronts:
             return self._fronts[key]
-        pts = [(spec, a) for spec, a in self._points(buckets, j)
-               if a["ok"][-1]]                                    # meets bucket j's SLO
+        cands = self._candidates()
+        cols = [self._column(i) for i in key]
+        last = buckets[j]
+        has = np.array([self._entry(last, a.chip) is not None for a in cands], dtype=bool) \
+            if cands else np.zeros(0, dtype=bool)
+        ok_j = cols[-1]["ok"] & has if cands else np.zeros(0, dtype=bool)
+        # the bucket's own front first, in its order (ties go to the earlier point), then the
+        # other fronts' points
+        own = self._own[last] if cands else np.zeros(0, dtype=np.int64)
+        rows = own[ok_j[own]]
+        if self.phase != "prefill" and cands:
+            rest = np.ones(len(cands), dtype=bool)
+            rest[own] = False
+            room = cols[-1]["held"] >= self.OTHER_FRONT_HELD - 1e-9
+            rows = np.concatenate([rows, np.nonzero(ok_j & rest & room)[0]])
         out = None
-        if pts:
-            stack = lambda k: np.array([a[k] for _, a in pts])  # noqa: E731
+        if rows.size:
+            stack = lambda k: np.stack([c[k][rows] for c in cols], axis=1)  # noqa: E731
             ok = stack("ok")
-            per_vpod = np.array([a["per_vpod"] for _, a in pts], dtype=np.float64)
             valid = np.logical_and.accumulate(ok[:, ::-1], axis=1)[:, ::-1]
+            allocs = [cands[r] for r in rows]
             if self.phase != "prefill":
-                valid = self._widest_only([sp.entry for sp, _ in pts], valid)
-            out = {"specs": [sp for sp, _ in pts], "inv_t": stack("inv_t"), "dyn": stack("dyn"),
-                   "lat": stack("lat"), "cyc": stack("cyc"),
+                valid = self._widest_only(allocs, valid)
+            keep = np.nonzero(valid.any(axis=1))[0]
+            row = rows[keep]
+            held = cols[-1]["held"][row]
+            out = {"allocs": [allocs[k] for k in keep], "last": last,
+                   "inv_t": stack("inv_t")[keep], "dyn": stack("dyn")[keep],
+                   "lat": stack("lat")[keep], "cyc": stack("cyc")[keep],
                    "slo": np.array([self._slo[i] for i in key], dtype=np.float64),
                    "edge": np.array([self.edges[i] for i in key], dtype=np.float64),
-                   "static": np.array([a["static"] for _, a in pts]),
-                   "per_vpod": per_vpod, "valid": valid,
-                   "depth": np.array([a["depth"] for _, a in pts], dtype=np.int64),
-                   "ahead": np.array([self._ahead_of(a["startup_s"]) for _, a in pts])}
+                   "static": self._row["static"][row],
+                   "per_vpod": (np.ones(len(row)) if self.phase == "prefill"
+                                else np.maximum(1.0, np.round(held))),
+                   "held": held, "valid": valid[keep], "depth": self._row["depth"][row],
+                   "ahead": np.array([self._ahead_of(x) for x in self._row["startup_s"][row]])}
         if len(self._fronts) > 4096:
             self._fronts.clear()
         self._fronts[key] = out
         return out
 
+    def _spec_at(self, front: dict, r: int) -> GroupSpec:
+        """Row ``r`` of a front as the group spec of its allocation (from its chip's best-fit
+        entry at the front's last bucket)."""
+        a = front["allocs"][r]
+        c = self.pricer.cost(a, self.phase, self.edges[front["last"]])
+        return _spec_of(self._entry(front["last"], a.chip), a, c, meets_slo=True)
+
     @staticmethod
-    def _widest_only(entries: list, valid: np.ndarray) -> np.ndarray:
+    def _widest_only(allocs: list, valid: np.ndarray) -> np.ndarray:
         """Decode: a vPod's batch is its engine's admission limit, not a choice at load. Below
         it the engine runs whatever is in flight, so of the batches of one allocation (chip,
         shape, TP/PP/EP) that meet every SLO of a segment the widest serves that segment at
@@ -639,39 +703,64 @@ class LoadAwarePolicy(Policy):
         Base's vPod-hours). ``valid``: points x first bucket of the segment."""
         out = valid.copy()
         by_alloc: dict[tuple, list[int]] = {}
-        for r, e in enumerate(entries):
-            by_alloc.setdefault(e.alloc_key, []).append(r)
+        for r, a in enumerate(allocs):
+            by_alloc.setdefault((a.key, a.num_chips), []).append(r)
         for rows in by_alloc.values():
             if len(rows) < 2:
                 continue
-            rows.sort(key=lambda r: -entries[r].max_batch)
+            rows.sort(key=lambda r: -allocs[r].batch)
             wider = np.zeros(valid.shape[1], dtype=bool)   # a wider batch is valid there
             for r in rows:
                 out[r] &= ~wider
                 wider |= valid[r]
         return out
 
-    def _points(self, buckets: list[int], j: int) -> list[tuple[GroupSpec, dict]]:
-        """The Pareto points of bucket ``buckets[j]`` (allowed chips) as group specs, each
-        priced at every bucket up to it: 1 / throughput, dynamic energy per token, SLO met
-        (with the decode margin), latency and cycle (the queue's mix, :meth:`queue_slack`),
-        static cost per second, servers per vPod."""
-        seg = buckets[:j + 1]
-        slo = np.array([self._slo[i] for i in seg])
-        out = []
-        for base, a in self._pareto_allocs(buckets[j], verified_only=True):
-            costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in seg]
-            c = costs[-1]
-            lat = np.array([x.latency_s for x in costs])
-            out.append((_spec_of(base, a, c, meets_slo=True), {
-                "inv_t": np.array([1.0 / x.throughput_tok_per_s for x in costs]),
-                "dyn": np.array([x.dyn_j_per_token for x in costs]),
-                "ok": (lat <= slo * self._margin) & np.array([x.fits for x in costs]),
-                "lat": lat, "cyc": lat / np.array([x.in_flight for x in costs]),
-                "static": static_per_s(c, self.metric),
-                "per_vpod": self.per_vpod(costs, seg), "depth": gated_depth(a),
-                "startup_s": c.startup_s}))
-        return out
+    def _candidates(self) -> list[Alloc]:
+        """Every Pareto point of every bucket's front on the allowed chips (without those `dse
+        verify` found to miss their own bucket's SLO on the chip model), each checked at the
+        group's own buckets by :meth:`_front`. A front is drawn at full batch, so at a light
+        load the cheapest decode point that meets a segment's SLOs is often on another
+        bucket's front - a smaller vPod, or a wider batch of the same one (Llama3-70B on the
+        OpenThoughts-like trace, 2 h: 1.13 -> 1.43 tokens/J; Ideal-at-load prices the same
+        set). Decode takes them all (:attr:`OTHER_FRONT_HELD`); prefill keeps its bucket's
+        own front: given the others it came out worse on 4 of 6 two-hour rows measured
+        (Llama3-70B LV-Eval-like cost 2.51 -> 2.35 x 10^5 tokens/$, DeepSeek-V3 LV-Eval-like
+        energy 1.32 -> 1.21 tokens/J); why is not established (the prefill queue model,
+        :func:`mix_slack`, on slower points than the fronts' own is the first suspect)."""
+        if self._cands is None:
+            seen: dict[Alloc, int] = {}
+            own: list[list[int]] = [[] for _ in self.edges]
+            for chip in (self.chips or self.db.chips):
+                for k, e in enumerate(self.edges):
+                    for p in self.db.pareto_for(self.phase, e, chip):
+                        if p.get("cm_meets_slo") is False:
+                            continue
+                        a = Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"],
+                                  p["ep"], p["batch"], p.get("attn", "dp"))
+                        own[k].append(seen.setdefault(a, len(seen)))
+            self._cands = list(seen)
+            n = len(self._cands)
+            self._own = [np.array(r, dtype=np.int64) for r in own]   # each bucket's front
+            costs = [self.pricer.cost(a, self.phase, self.edges[0]) for a in self._cands]
+            self._row = {"static": np.array([static_per_s(c, self.metric) for c in costs]),
+                         "depth": np.array([gated_depth(a) for a in self._cands], np.int64),
+                         "startup_s": np.array([c.startup_s for c in costs])}
+        return self._cands
+
+    def _column(self, i: int) -> dict:
+        """Every candidate priced at bucket ``i`` (arrays over :meth:`_candidates`), once."""
+        col = self._cols.get(i)
+        if col is None:
+            cs = [self.pricer.cost(a, self.phase, self.edges[i]) for a in self._candidates()]
+            lat = np.array([c.latency_s for c in cs])
+            t = np.array([c.throughput_tok_per_s for c in cs])
+            col = self._cols[i] = {
+                "inv_t": 1.0 / t, "dyn": np.array([c.dyn_j_per_token for c in cs]),
+                "lat": lat, "cyc": lat / np.array([c.in_flight for c in cs]),
+                "ok": (lat <= self._slo[i] * self._margin) & np.array([c.fits for c in cs],
+                                                                      dtype=bool),
+                "held": t * lat}
+        return col
 
     def _pareto_allocs(self, i: int, verified_only: bool):
         """(best-fit entry of the chip, allocation) for every Pareto point of bucket ``i`` on

@@ -52,8 +52,11 @@ def test_a_light_load_runs_a_smaller_allocation_than_the_full_batch_best_fit(db,
     aware = LoadAwarePolicy(db, "decode", pricer=pricer).plan(obs)
     (g, a), = chosen(aware).items()
     e = aware.groups[g].entry
-    # a smaller vPod (chips x batch) than the best fit ...
-    assert e.num_chips * e.max_batch < best.num_chips * best.max_batch
+    # a smaller vPod (fewer chips, less static power) than the best fit ...
+    mine = pricer.cost(alloc_of(aware.groups[g]), "decode", db.edges[i])
+    full = pricer.cost(Alloc(best.chip, best.topology, best.num_chips, best.tp, best.pp,
+                             best.ep, best.max_batch, best.attn), "decode", db.edges[i])
+    assert e.num_chips < best.num_chips and mine.static_w < full.static_w
     # ... priced on the chip model at this load: N vPods' static power + dynamic energy,
     # N sized with queueing headroom (orchestrator.pricing.servers_needed)
     assert "J/token" in a.reason and "vPod(s)" in a.reason
@@ -539,16 +542,22 @@ def test_a_new_length_no_running_group_can_take_gets_a_group_of_its_own(db, pric
     """A first request at a length no running allocation meets the SLO of gets the cheapest
     group of its own when regrouping does not pay; what runs keeps running (a re-choice of
     everything restarts every vPod and drains the old ones)."""
-    i = 8
-    pol = LoadAwarePolicy(db, "decode", pricer=pricer)
-    first = pol.plan(Observation(0.0, {i: flat(3e4)}))
-    (g0,) = chosen(first)
-    j = [j for j in range(i + 1, len(db.edges)) if not pol._meets(first.groups[g0], j)][-1]
-    obs = Observation(300.0, {i: flat(3e4), j: flat(3.0)}, inventory(first))
-    plan = pol.plan(obs, first.state)
-    assert plan.routing.groups[i] == g0 and "kept" in chosen(plan)[g0].reason
-    gj = plan.routing.groups[j]
-    assert gj != g0 and pol._meets(plan.groups[gj], j)
+    kept = 0
+    for i, rate in ((8, 3e4), (4, 3e4), (8, 1e5), (12, 3e4)):
+        pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+        first = pol.plan(Observation(0.0, {i: flat(rate)}))
+        (g0,) = chosen(first)
+        j = [j for j in range(i + 1, len(db.edges)) if not pol._meets(first.groups[g0], j)][-1]
+        obs = Observation(300.0, {i: flat(rate), j: flat(3.0)}, inventory(first))
+        plan = pol.plan(obs, first.state)
+        gj = plan.routing.groups[j]
+        assert pol._meets(plan.groups[gj], j)         # never a group that misses its SLO
+        if plan.routing.groups[i] != g0:             # regrouping paid: a re-choice
+            assert "re-chosen" in chosen(plan)[plan.routing.groups[i]].reason
+            continue
+        kept += 1
+        assert "kept" in chosen(plan)[g0].reason and gj != g0
+    assert kept
 
 
 def test_a_longer_length_is_priced_at_the_batch_the_kv_cache_holds(db, pricer):
@@ -717,3 +726,60 @@ def test_the_warm_start_sees_the_decode_load_where_it_is_routed(db):
     share = np.where(inp[f] >= db.edges[4], 1.0, 0.5)
     expect = float((out[f] * share).sum()) / 300.0
     assert routed[long_bucket] == pytest.approx(expect, rel=0.1)
+
+
+def test_decode_slots_are_the_sequences_in_flight_over_the_work_of_the_mix(db, pricer):
+    """A decode vPod's slots over a mix of lengths: sequences in flight (token rate x TPOT,
+    Little) over the vPods' worth of work (rate / throughput) - between the batches its KV
+    cache holds at the longest and the shortest bucket; the longest's alone without rates."""
+    pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+    a = Alloc("v5p", "1x1x1", 1, 1, 1, 1, 1024)
+    seg = [20, 36]
+    costs = [pricer.cost(a, "decode", db.edges[i]) for i in seg]
+    held = [c.batch for c in costs]
+    assert held[0] > 4 * held[1] >= 4                # a short length holds many more
+    assert pol.per_vpod(costs, seg) == max(1, round(costs[-1].throughput_tok_per_s
+                                                    * costs[-1].latency_s))
+    for rates in ([10.0, 1.0], [1.0, 10.0], [5.0, 5.0]):
+        flight = sum(r * c.latency_s for r, c in zip(rates, costs))
+        work = sum(r / c.throughput_tok_per_s for r, c in zip(rates, costs))
+        k = pol.per_vpod(costs, seg, rates)
+        assert k == round(flight / work)
+        assert held[1] <= k <= held[0]
+    # more of the short length, more slots
+    assert pol.per_vpod(costs, seg, [10.0, 1.0]) > pol.per_vpod(costs, seg, [1.0, 10.0])
+
+
+def test_a_light_decode_load_may_run_a_point_of_another_buckets_front(db, pricer):
+    """Decode candidates are every front's points: at a light load on one bucket the choice
+    is a point its own front does not hold when one is cheaper, it meets the bucket's SLO on
+    the chip model and its KV cache holds at least OTHER_FRONT_HELD of its sequences; the
+    plan's cost is at most that of the own front's cheapest."""
+    slo = db.meta["slo_s"]["decode"]
+    found = 0
+    for i in (12, 20, 24, 28, 32):
+        rate = 0.01 * db.entry_at("decode", i).throughput_tok_per_s
+        pol = LoadAwarePolicy(db, "decode", pricer=pricer)
+        plan = pol.plan(Observation(0.0, {i: flat(rate)}))
+        (g, _), = chosen(plan).items()
+        a = alloc_of(plan.groups[g])
+        own = {Alloc(c, p["topology"], p["num_chips"], p["tp"], p["pp"], p["ep"], p["batch"],
+                     p.get("attn", "dp"))
+               for c in db.chips for p in db.pareto_for("decode", db.edges[i], c)
+               if p.get("cm_meets_slo") is not False}
+        c = pricer.cost(a, "decode", db.edges[i])
+        assert c.fits and c.latency_s <= slo[i]
+        if a in own:
+            continue
+        found += 1
+        assert c.batch >= LoadAwarePolicy.OTHER_FRONT_HELD
+        # at most what any own-front point that meets the SLO costs at this load
+        window = flat(rate)[:, None]
+
+        def per_s(x):
+            return pol._load_cost([pricer.cost(x, "decode", db.edges[i])], [i], window,
+                                  [rate]).per_s
+        own_ok = [o for o in own if (x := pricer.cost(o, "decode", db.edges[i])).fits
+                  and x.latency_s <= slo[i] * pol._margin]
+        assert per_s(a) <= min(per_s(o) for o in own_ok) * (1 + 1e-9)
+    assert found
