@@ -130,6 +130,8 @@ class LoadAwarePolicy(Policy):
         self._fronts: dict[tuple[int, ...], dict | None] = {}
         self._cands: list[Alloc] | None = None   # every verified point of every front
         self._cols: dict[int, dict] = {}         # per bucket: the candidates priced there
+        self._own: list[np.ndarray] = []         # per bucket: its own front's candidate rows
+        self._row: dict[str, np.ndarray] = {}    # per candidate: static cost, depth, start-up
         self._need: dict[str, int] = {}        # per group: vPods its last epoch's peak needs
         self._priced_at = getattr(pricer, "version", 0)   # a calibrated pricer's factors
         self._inherited: dict[str, int] = {}   # per group: capacity taken over this plan
@@ -577,7 +579,7 @@ class LoadAwarePolicy(Policy):
         if not getattr(self.pricer, "version", 0):
             return None
         best = None
-        for base, a in self._pareto_allocs(i, verified_only=False):
+        for base, a in self._pareto_allocs(i):
             c = self.pricer.cost(a, self.phase, self.edges[i])
             if best is None or (c.latency_s, -c.throughput_tok_per_s) < best[0]:
                 best = ((c.latency_s, -c.throughput_tok_per_s), base, a, c)
@@ -762,17 +764,15 @@ class LoadAwarePolicy(Policy):
                 "held": t * lat}
         return col
 
-    def _pareto_allocs(self, i: int, verified_only: bool):
+    def _pareto_allocs(self, i: int):
         """(best-fit entry of the chip, allocation) for every Pareto point of bucket ``i`` on
-        the allowed chips; ``verified_only``: without the points `dse verify` found to miss
-        their SLO on the chip model."""
+        the allowed chips, verified or not (:meth:`_fastest`; the candidates a group may run
+        are :meth:`_candidates`)."""
         for chip in (self.chips or self.db.chips):
             base = self._entry(i, chip)
             if base is None:
                 continue
             for p in self.db.pareto_for(self.phase, self.edges[i], chip):
-                if verified_only and p.get("cm_meets_slo") is False:
-                    continue
                 yield base, Alloc(chip, p["topology"], p["num_chips"], p["tp"], p["pp"],
                                   p["ep"], p["batch"], p.get("attn", "dp"))
 
