@@ -104,7 +104,12 @@ class LoadAwarePolicy(Policy):
     # of slots - and the model sizes it short (Llama3-8B decode on the LV-Eval-like trace,
     # 2 h: v5p-1 and v6e-4 groups that hold 1-2 sequences of 393 K tokens, 97.2 % of TPOTs
     # against 100 %, the misses at the hand-overs between them). The bucket's own front keeps
-    # every point, as before.
+    # every point, as before. Under live correction factors (a calibrated pricer whose
+    # version moved) decode keeps to the bucket's own front too: a factor is measured at the
+    # batch a group ran, and another front's wider batch of the same vPods is where a single
+    # factor is least to be trusted (an engine 1.5 ms per sequence per step slower than the
+    # model - tests/orchestrator/test_recalibration.py - is off by far more at b1024 than at
+    # the two dozen sequences it was measured at).
     OTHER_FRONT_HELD = 2.0
 
     def __init__(self, db: BestFitDB, phase: str, config: PolicyConfig = PolicyConfig(),
@@ -655,7 +660,7 @@ class LoadAwarePolicy(Policy):
         # other fronts' points
         own = self._own[last] if cands else np.zeros(0, dtype=np.int64)
         rows = own[ok_j[own]]
-        if self.phase != "prefill" and cands:
+        if self.phase != "prefill" and cands and not getattr(self.pricer, "version", 0):
             rest = np.ones(len(cands), dtype=bool)
             rest[own] = False
             room = cols[-1]["held"] >= self.OTHER_FRONT_HELD - 1e-9
