@@ -94,6 +94,14 @@ def _spec_of(base, a: Alloc, c, meets_slo: bool) -> GroupSpec:
                                 meets_slo=meets_slo))
 
 
+def mix_slots(flight, work, without):
+    """Decode slots per vPod over a mix (:meth:`LoadAwarePolicy.per_vpod`): sequences in flight
+    over the vPods' worth of work, rounded, at least one; ``without`` where there is no work."""
+    flight, work = np.asarray(flight, dtype=np.float64), np.asarray(work, dtype=np.float64)
+    mix = np.round(flight / np.where(work > 0, work, 1.0))
+    return np.maximum(np.where(work > 0, mix, without), 1.0)
+
+
 class LoadAwarePolicy(Policy):
     """:class:`Policy` with the allocation of every group chosen at its load (module doc)."""
 
@@ -240,7 +248,7 @@ class LoadAwarePolicy(Policy):
             work = float(sum(x / k.throughput_tok_per_s for x, k in zip(r, costs)))
             if work > 0:
                 flight = float(sum(x * k.latency_s for x, k in zip(r, costs)))
-                return max(1, round(flight / work))
+                return int(mix_slots(flight, work, 1.0))
         return max(1, round(c.throughput_tok_per_s * c.latency_s))
 
     def _demand(self, g: str, spec: GroupSpec, load: _GroupLoad) -> tuple[np.ndarray, float]:
@@ -620,9 +628,7 @@ class LoadAwarePolicy(Policy):
             flight = np.cumsum((mean[:n_cols][None, :] * front["lat"])[:, ::-1], axis=1)[:, ::-1]
             work = np.cumsum((mean[:n_cols][None, :] * front["inv_t"])[:, ::-1],
                              axis=1)[:, ::-1]
-            mix = flight / np.where(work > 0, work, 1.0)
-            slots = np.where(work > 0, np.round(mix), front["per_vpod"][:, None])
-            slots = np.maximum(slots, 1.0)
+            slots = mix_slots(flight, work, front["per_vpod"][:, None])
         for r, i in zip(rows[order], cols[order]):
             if lower[r, i] >= best[j + 1]:
                 break
@@ -653,7 +659,8 @@ class LoadAwarePolicy(Policy):
         cands = self._candidates()
         cols = [self._column(i) for i in key]
         last = buckets[j]
-        has = np.array([self._entry(last, a.chip) is not None for a in cands], dtype=bool) \
+        has = np.isin(self._row["chip"], [c for c in (self.chips or self.db.chips)
+                                          if self._entry(last, c) is not None]) \
             if cands else np.zeros(0, dtype=bool)
         ok_j = cols[-1]["ok"] & has if cands else np.zeros(0, dtype=bool)
         # the bucket's own front first, in its order (ties go to the earlier point), then the
@@ -751,7 +758,8 @@ class LoadAwarePolicy(Policy):
             costs = [self.pricer.cost(a, self.phase, self.edges[0]) for a in self._cands]
             self._row = {"static": np.array([static_per_s(c, self.metric) for c in costs]),
                          "depth": np.array([gated_depth(a) for a in self._cands], np.int64),
-                         "startup_s": np.array([c.startup_s for c in costs])}
+                         "startup_s": np.array([c.startup_s for c in costs]),
+                         "chip": np.array([a.chip for a in self._cands], dtype=object)}
         return self._cands
 
     def _column(self, i: int) -> dict:
