@@ -119,6 +119,12 @@ class LoadAwarePolicy(Policy):
     # model - tests/orchestrator/test_recalibration.py - is off by far more at b1024 than at
     # the two dozen sequences it was measured at).
     OTHER_FRONT_HELD = 2.0
+    # The phases whose candidates include other buckets' fronts (prefill keeps its own:
+    # :meth:`_candidates`), and the share of a bucket's SLO another front's point must meet
+    # its latency within there (1: the SLO itself, as the bucket's own front).
+    # ``benchmarks/decode_candidates.py`` replays rows with each of these changed.
+    OTHER_FRONT_PHASES = ("decode",)
+    OTHER_FRONT_MARGIN = 1.0
 
     def __init__(self, db: BestFitDB, phase: str, config: PolicyConfig = PolicyConfig(),
                  pricer: Pricer | None = None, latency_fn=None):
@@ -667,7 +673,9 @@ class LoadAwarePolicy(Policy):
         # other fronts' points
         own = self._own[last] if cands else np.zeros(0, dtype=np.int64)
         rows = own[ok_j[own]]
-        if self.phase != "prefill" and cands and not getattr(self.pricer, "version", 0):
+        n_own = rows.size
+        if self.phase in self.OTHER_FRONT_PHASES and cands \
+                and not getattr(self.pricer, "version", 0):
             rest = np.ones(len(cands), dtype=bool)
             rest[own] = False
             room = cols[-1]["held"] >= self.OTHER_FRONT_HELD - 1e-9
@@ -676,6 +684,9 @@ class LoadAwarePolicy(Policy):
         if rows.size:
             stack = lambda k: np.stack([c[k][rows] for c in cols], axis=1)  # noqa: E731
             ok = stack("ok")
+            if self.OTHER_FRONT_MARGIN < 1.0 and rows.size > n_own:
+                slo = np.array([self._slo[i] for i in key]) * self._margin
+                ok[n_own:] &= stack("lat")[n_own:] <= self.OTHER_FRONT_MARGIN * slo[None, :]
             valid = np.logical_and.accumulate(ok[:, ::-1], axis=1)[:, ::-1]
             allocs = [cands[r] for r in rows]
             if self.phase != "prefill":

@@ -783,3 +783,33 @@ def test_a_light_decode_load_may_run_a_point_of_another_buckets_front(db, pricer
                   and x.latency_s <= slo[i] * pol._margin]
         assert per_s(a) <= min(per_s(o) for o in own_ok) * (1 + 1e-9)
     assert found
+
+
+def test_the_candidate_knobs_keep_a_group_to_its_own_front_or_to_a_tighter_tpot(db, pricer):
+    """The variants ``benchmarks/decode_candidates.py`` replays: without decode among
+    OTHER_FRONT_PHASES every choice is a point of its bucket's own front; with
+    OTHER_FRONT_MARGIN m another front's point is chosen only with its TPOT within m x SLO."""
+    class OwnFront(LoadAwarePolicy):
+        OTHER_FRONT_PHASES = ()
+
+    class Tight(LoadAwarePolicy):
+        OTHER_FRONT_MARGIN = 0.5
+
+    slo = db.meta["slo_s"]["decode"]
+    other = 0
+    for i in (12, 20, 24, 28, 32):
+        rate = 0.01 * db.entry_at("decode", i).throughput_tok_per_s
+        own = {Alloc(c, p["topology"], p["num_chips"], p["tp"], p["pp"], p["ep"], p["batch"],
+                     p.get("attn", "dp"))
+               for c in db.chips for p in db.pareto_for("decode", db.edges[i], c)
+               if p.get("cm_meets_slo") is not False}
+        picks = {}
+        for cls in (LoadAwarePolicy, OwnFront, Tight):
+            plan = cls(db, "decode", pricer=pricer).plan(Observation(0.0, {i: flat(rate)}))
+            (g, _), = chosen(plan).items()
+            picks[cls] = alloc_of(plan.groups[g])
+        assert picks[OwnFront] in own
+        other += picks[LoadAwarePolicy] not in own
+        if picks[Tight] not in own:
+            assert pricer.cost(picks[Tight], "decode", db.edges[i]).latency_s <= 0.5 * slo[i]
+    assert other         # the shipped set did pick another front's point somewhere
