@@ -71,6 +71,10 @@ def run_one(job: tuple) -> str:
             raise ValueError(f"{path} was run for {kept.get('hours')} h at "
                              f"x{kept.get('rate_scale')}, not {hours:g} h at x{scale:g}: "
                              "--rerun needs the same grid")
+        if kind == "sweep" and kept.get("copies") != "rotated":
+            raise ValueError(f"{path} was run with copies shifted, not rotated, within the "
+                             "window (before the sweep's first minute was fully loaded): "
+                             "--rerun needs the same grid")
     arch, cat = load_model(model), default_catalog()
     db = verified_db(arch, metric, progress=False)
     tr = load_trace(trace, hours=hours if hours < 24 else None, start=start)
@@ -80,12 +84,12 @@ def run_one(job: tuple) -> str:
     arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
                      np.asarray(tr.output_tokens))
     if kind == "sweep" and scale != 1:
-        arr, inp, out = replicate(arr, inp, out, int(scale))
+        arr, inp, out = replicate(arr, inp, out, int(scale), hours * 3600.0)
     cfg = ClusterConfig()
     pricer = _pricer(model, arch, cat, db.stack)
     res = {"kind": kind, "model": model, "trace": trace, "metric": metric, "rate_scale": scale,
            "hours": hours, "summary": tr.summary(), "note": tr.note, "policies": {},
-           "wall_s": {}}
+           "wall_s": {}, **({"copies": "rotated"} if kind == "sweep" else {})}
     if kept is not None:             # only the named columns again; the others as they were
         res = kept
     for name in SIMULATED:
@@ -276,11 +280,13 @@ def main() -> None:
     ap.add_argument("--sweep-scales", default="1,4,16,64")
     ap.add_argument("--sweep-hours", type=float, default=0.25,
                     help="the sweep's window of the Azure coding day (from --sweep-start); "
-                    "load x S replays S copies of it, each shifted by a random offset under "
-                    "a minute")
+                    "load x S replays S copies of it, each rotated within the window by a "
+                    "random offset under a minute")
     ap.add_argument("--sweep-start", default="12:00")
     ap.add_argument("--sweep-metric", default="energy")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-grid", action="store_true",
+                    help="run the load sweep only (the grid's JSONs in --out, if any, kept)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument("--rerun", default="", metavar="COLUMNS",
@@ -290,17 +296,21 @@ def main() -> None:
                     "the results); missing JSONs are run whole")
     args = ap.parse_args()
     _check_args(ap, args)
+    if args.no_grid and args.no_sweep and not args.table_only:
+        ap.error("--no-grid and --no-sweep leave nothing to run")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if not args.table_only:
         models, metrics = args.models.split(","), args.metrics.split(",")
-        for m in models:               # build the verified DBs once, before the workers
-            for metric in metrics:
+        for m in (args.sweep_models.split(",") if args.no_grid else models):
+            for metric in ((args.sweep_metric,) if args.no_grid else metrics):
+                # build the verified DBs once, before the workers
                 verified_db(load_model(m), metric, progress=False)
         rerun = tuple(x for x in args.rerun.split(",") if x)
-        jobs = [("grid", m, t, metric, args.hours, args.start, 1.0, str(out), rerun)
-                for m in models for t in args.traces.split(",") for metric in metrics]
+        jobs = [] if args.no_grid else [
+            ("grid", m, t, metric, args.hours, args.start, 1.0, str(out), rerun)
+            for m in models for t in args.traces.split(",") for metric in metrics]
         if not args.no_sweep:
             jobs += [("sweep", m, "azure-code", args.sweep_metric, args.sweep_hours,
                       args.sweep_start, float(s), str(out), rerun)
@@ -315,8 +325,10 @@ def main() -> None:
             except ValueError as e:          # a kept JSON --rerun cannot extend
                 pool.terminate()
                 ap.exit(2, f"error: {e}\n")
-    print(grid_table(out))
-    print()
+    if any(json.loads(f.read_text()).get("kind", "grid") == "grid"
+           for f in out.glob("*.json")):
+        print(grid_table(out))
+        print()
     print(sweep_table(out))
     p = plot_sweep(out)
     if p:

@@ -54,7 +54,7 @@ def route(args) -> None:
     arr, inp, out = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens),
                      np.asarray(tr.output_tokens))
     if args.scale > 1:
-        arr, inp, out = replicate(arr, inp, out, args.scale)
+        arr, inp, out = replicate(arr, inp, out, args.scale, args.hours * 3600.0)
     print(f"route: simulating {len(arr):,} requests twice (before, shipped) ...", flush=True)
     cfg = ClusterConfig()
     pricer = ChipModelPricer(arch, cat, db.stack)
