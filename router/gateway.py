@@ -69,7 +69,7 @@ from .openai_api import (CHAT, COMPLETIONS, DEFAULT_COMPLETION_MAX_TOKENS, PATHS
                          internal_error, models_response, no_vpod, parse_request, unauthorized,
                          upstream_error, usage_json)
 from .predict import LengthPredictor, MedianPredictor
-from .routing import RoutingTable, crossed_bucket, least_loaded, should_migrate
+from .routing import RoutingTable, crossed_bucket, least_loaded, ready_group, should_migrate
 from .upstream import EngineClient, UpstreamFailure, UpstreamRejected
 
 log = logging.getLogger("neuscale.gateway")
@@ -813,6 +813,14 @@ class Gateway:
             eps = t.endpoints
             g = group
             cands = [e for e in eps.get((phase, g), ()) if e.vpod_id not in excluded]
+            if not cands and phase == "decode" and not failover:
+                # nothing up in the predicted length's group: a ready group that holds the
+                # sequence starts it now (routing.ready_group; migration moves it on later)
+                alt = ready_group(table, group, f.prompt_tokens + f.generated, lambda x: any(
+                    e.vpod_id not in excluded for e in eps.get((phase, x), ())))
+                if alt is not None:
+                    g = alt
+                    cands = [e for e in eps.get((phase, g), ()) if e.vpod_id not in excluded]
             if failover and not cands and (phase, group) not in t.starting:
                 while not cands:
                     g = table.longer_group(g)

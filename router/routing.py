@@ -158,3 +158,29 @@ def make_before_break(new: RoutingTable, old: RoutingTable | None,
     best = {g: old.best_len[g] for g in set(groups) if g in old.best_len}
     best.update({g: n for g, n in new.best_len.items()})
     return RoutingTable(new.edges, tuple(groups), best)
+
+
+def ready_group(table: RoutingTable, group: Hashable, length: int,
+                ready: Callable[[Hashable], bool]) -> Hashable | None:
+    """Where a decode request the table sends to ``group`` starts now: ``group`` when it has
+    a ready vPod; else, of the table's groups with a ready vPod whose best-fit length holds the
+    request's ``length`` (its tokens so far), the one of the shortest best-fit length - it can
+    start the sequence at once, and the migration rule (:func:`should_migrate`) moves it on
+    if it outgrows that group; None when no ready group holds it (the request waits for
+    ``group``'s vPods, as before).
+
+    A decode request reaches a group with nothing up when its predicted length falls in a
+    bucket only a group still starting serves - a new length's group, which make-before-break
+    gives the buckets no running group was sized for. The predicted length is the least
+    reliable thing about a request (§5.1: 60 % accuracy), and waiting minutes for vPods to
+    start costs a short answer its TPOT SLO (Llama3-8B LV-Eval-like decode, 2 h: 2 % of all
+    decode requests parked behind a starting v6e-4 while v5p-1 and v6e-2 groups that held
+    them were up; README, "Routing to a group with nothing up")."""
+    if ready(group):
+        return group
+    best = None
+    for g in set(table.groups):
+        n = table.best_len.get(g, 0)
+        if g != group and n >= length and ready(g) and (best is None or (n, str(g)) < best[0]):
+            best = ((n, str(g)), g)
+    return None if best is None else best[1]

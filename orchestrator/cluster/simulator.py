@@ -39,7 +39,7 @@ from dse.errors import NeuScaleError
 from dse.models import ModelArch
 from dse.vpod import VPodState
 from router.routing import (MIGRATE_FACTOR, RoutingTable, bucket_indices, handing_over,
-                            least_loaded, make_before_break, should_migrate)
+                            least_loaded, make_before_break, ready_group, should_migrate)
 from sim.lifecycle import STATS_QUERY_S
 from sim.stepcost import StepCostTable
 from sim.vpod import TableCache, engine_batch
@@ -411,7 +411,11 @@ class ClusterSim:
                 tpot[r] = 0.0
                 continue
             segs = self._decode_segments(x, y)
-            self._observe_decode(req.tb[r], y, segs)
+            self._observe_decode(req.tb[r], y, segs)     # where the prediction sends it
+            alt = ready_group(self._routing["decode"], segs[0][0], x + 1,
+                              lambda g: bool(self.fleet.ready_by.get(("decode", g))))
+            if alt is not None and alt != segs[0][0]:    # its group has nothing up yet
+                segs = self._path(alt, x, y)
             at = q.finish_s + v.kv_transfer_s(x, self._kv_bytes)
             req.dec_start[r] = at
             g, m_end = segs[0]
@@ -494,7 +498,10 @@ class ClusterSim:
         length. At every bucket boundary the remaining length is re-predicted (right with the
         same probability; a wrong estimate is taken to say nothing beyond the current length)
         and the router's migration rule (:func:`router.routing.should_migrate`) may move it on
-        (§3.4)."""
+        (§3.4). The prediction's path: at the hand-off a request whose group has nothing up
+        starts on a ready group that holds it (:func:`router.routing.ready_group`,
+        :meth:`_prefill_done`), while its load is counted where the prediction sent it (as
+        the gateway counts it, at admission)."""
         table = self._routing["decode"]
         total = inp + out
         g = table.group_for_length(total)
@@ -507,6 +514,15 @@ class ClusterSim:
             lo = bisect_left(cands, (inp + 1,))
             if lo < len(cands):
                 g = cands[lo + min(int(self._draw() * (len(cands) - lo)), len(cands) - lo - 1)][1]
+        return self._path(g, inp, out)
+
+    def _path(self, g, inp: int, out: int) -> list[tuple[str, int]]:
+        """:meth:`_decode_segments`' path from group ``g`` on: the migrations (§3.4) at the
+        bucket boundaries where the re-predicted length passes twice the group's length."""
+        table = self._routing["decode"]
+        total = inp + out
+        acc = self.cfg.accuracy
+        conf = self.cfg.confusion
         if total <= MIGRATE_FACTOR * table.best_len.get(g, 0):   # nothing can pass 2x
             return [(g, out)]
         segs = []

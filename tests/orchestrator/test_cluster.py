@@ -210,7 +210,7 @@ def test_plans_act_after_the_statistics_query_and_unservable_requests_are_droppe
     assert d.tokens == int((res.output_tokens[np.isfinite(res.tpot_s)] - 1).sum())
 
 
-def test_group_changes_make_before_break(db):
+def test_group_changes_make_before_break(db, monkeypatch):
     """Half an hour of the real 2023 Azure conversation trace: the paper rule's decode
     groups change as the length mix moves (the load-aware policy's, which change only when
     it pays, do not here). Routing a bucket to its new group before that group has a ready
@@ -219,12 +219,20 @@ def test_group_changes_make_before_break(db):
     from sim.traces import load_trace
     tr = load_trace("azure-conv-2023", hours=0.5)
     t = (np.asarray(tr.arrival_s), np.asarray(tr.input_tokens), np.asarray(tr.output_tokens))
+    from orchestrator.cluster import simulator
     sim, rep = run(db, "neuscale-paper", tr=t)
     groups = [set(r["target"]) for r in sim.timeline if r["phase"] == "decode"]
     assert any(a != b for a, b in zip(groups, groups[1:]))          # groups do change
+    # the request-level rule alone (routing.ready_group: a request whose group has nothing
+    # up starts on a ready group that holds it) also keeps them from parking
+    _, alone = run(db, "neuscale-paper", cfg=ClusterConfig(make_before_break=False), tr=t)
+    shipped = simulator.ready_group
+    monkeypatch.setattr(simulator, "ready_group", lambda t, g, n, ready: None)
     _, brk = run(db, "neuscale-paper", cfg=ClusterConfig(make_before_break=False), tr=t)
-    ok, broken = (r.reports["decode"].slo_met / r.reports["decode"].requests for r in (rep, brk))
-    assert ok > broken + 0.05 and ok > 0.95
+    monkeypatch.setattr(simulator, "ready_group", shipped)
+    ok, rule, broken = (r.reports["decode"].slo_met / r.reports["decode"].requests
+                        for r in (rep, alone, brk))
+    assert ok > broken + 0.05 and ok > 0.95 and rule > broken + 0.05
 
 
 @pytest.mark.parametrize("accuracy", [0.0, 1.0])

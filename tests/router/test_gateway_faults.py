@@ -188,6 +188,28 @@ def test_waits_for_a_starting_vpod_else_503_with_retry_after(rig, lt):
     assert status == 503 and "Retry-After" in headers
 
 
+def test_a_decode_request_whose_group_is_starting_runs_on_a_ready_group_that_holds_it(rig, lt):
+    """The predicted length's group (L, the longer buckets) is still starting; the short
+    group S is up and holds the request's tokens so far: the request starts on S at once
+    instead of waiting for L (routing.ready_group), and stays there while L has nothing up."""
+    r = rig(wait_for_vpod_s=30.0)
+    s_eng = r.engine("s1", per_tick=50)
+    table = RoutingTable.build({0: "S", 11: "L"})      # S: up to 128 tokens, L: up to 2048
+    assert table.group_for_length(8 + 800) == "L"
+    r.targets({"S": [s_eng], "L": []}, starting={("decode", "L")}, table=table)
+    out = r.client.completions.create(model="m", prompt=PROMPT, max_tokens=800,
+                                      extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 800
+    assert len(s_eng.bodies) >= 1
+    assert lt.call(lambda: r.gw._waiting.get(("decode", "L"), 0)) == 0
+    # nothing up that holds it (S too short for a 300-token prompt): it waits for L as before
+    r.gw.wait_for_vpod_s = 0.2
+    long_prompt = " ".join(["fox"] * 300)
+    with pytest.raises(openai.InternalServerError):
+        r.client.completions.create(model="m", prompt=long_prompt, max_tokens=800,
+                                    extra_body={"ignore_eos": True})
+
+
 class Broken:
     def predict(self, prompt, prompt_tokens):
         raise RuntimeError("model not loaded")

@@ -89,3 +89,16 @@ def test_handing_over_names_groups_that_still_serve_buckets_planned_elsewhere():
     eff2 = make_before_break(planned2, old, lambda g: g in {"a", "b"})
     assert handing_over(eff2, planned2) == {"b"}
     assert handing_over(None, planned2) == set() and handing_over(planned2, None) == set()
+
+
+def test_ready_group_starts_a_request_on_the_shortest_ready_group_that_holds_it():
+    from router.routing import ready_group
+    t = RoutingTable.build({0: "a", 3: "b", 7: "c", 11: "d"})    # best: 128, 512, 1024, 2048
+    up = {"a", "b", "d"}
+    ready = up.__contains__
+    assert ready_group(t, "b", 300, ready) == "b"           # its own group is up
+    assert ready_group(t, "c", 300, ready) == "b"           # c starting: b holds 300 tokens
+    assert ready_group(t, "c", 600, ready) == "d"           # b is too short for 600
+    assert ready_group(t, "c", 100, ready) == "a"           # the shortest that holds it
+    assert ready_group(t, "c", 3000, ready) is None         # none holds it: wait for c
+    assert ready_group(t, "c", 300, lambda g: False) is None
