@@ -8,8 +8,8 @@ worker for that replay only):
 * ``shipped`` - as the tree ships it;
 * ``own-front`` - a group's candidates only its longest bucket's own front (the tree before
   a2ba130);
-* ``any-held`` - decode: another front's point also where its KV cache holds fewer than two of
-  the segment's longest sequences (``OTHER_FRONT_HELD`` 0);
+* ``held:N`` - decode: another front's point only where its KV cache holds at least N of the
+  segment's longest sequences (``OTHER_FRONT_HELD``; shipped 1, the rule of a2ba130 2);
 * ``margin:M`` - decode: another front's point only where its TPOT is within M x the SLO of
   every bucket it would serve (``OTHER_FRONT_MARGIN``; the own front keeps the SLO itself);
 * ``prefill-every-front`` - prefill: candidates from every bucket's front too
@@ -40,7 +40,7 @@ DECODE_ROWS = ("llama3-8b:lveval:energy:decode", "llama3-70b:lveval:cost:decode"
 PREFILL_ROWS = ("llama3-70b:lveval:cost:prefill", "deepseek-v3:lveval:energy:prefill",
                 "deepseek-v3:azure-code:cost:prefill", "llama3-8b:azure-code:cost:prefill",
                 "llama3.1-405b:azure-code:cost:prefill", "llama3-70b:azure-code:cost:prefill")
-DECODE_VARIANTS = ("shipped", "own-front", "any-held")
+DECODE_VARIANTS = ("shipped", "own-front", "held:2")
 PREFILL_VARIANTS = ("shipped", "prefill-every-front")
 
 
@@ -50,8 +50,14 @@ def variant_attrs(name: str) -> dict:
         return {}
     if name == "own-front":
         return {"OTHER_FRONT_PHASES": ()}
-    if name == "any-held":
-        return {"OTHER_FRONT_HELD": 0.0}
+    if name.startswith("held:"):
+        try:
+            k = float(name.split(":", 1)[1])
+        except ValueError:
+            k = float("nan")
+        if not k >= 0.0:
+            raise ValueError(f"{name!r}: the count of sequences must be a number >= 0")
+        return {"OTHER_FRONT_HELD": k}
     if name == "prefill-every-front":
         return {"OTHER_FRONT_PHASES": ("prefill", "decode")}
     if name.startswith("margin:"):
@@ -62,7 +68,7 @@ def variant_attrs(name: str) -> dict:
         if not 0.0 < m <= 1.0:
             raise ValueError(f"{name!r}: the margin must be a number in (0, 1]")
         return {"OTHER_FRONT_MARGIN": m}
-    raise ValueError(f"unknown variant {name!r} (shipped, own-front, any-held, margin:M, "
+    raise ValueError(f"unknown variant {name!r} (shipped, own-front, held:N, margin:M, "
                      "prefill-every-front)")
 
 
@@ -97,7 +103,7 @@ def main() -> None:
                     help="comma-separated model:trace:metric:phase (default: the README's "
                          "four decode and six prefill rows)")
     ap.add_argument("--variants", default=None,
-                    help="comma-separated (default: shipped,own-front,any-held on decode rows, "
+                    help="comma-separated (default: shipped,own-front,held:2 on decode rows, "
                          "shipped,prefill-every-front on prefill rows)")
     ap.add_argument("--start", default="12:00")
     ap.add_argument("--hours", type=float, default=2.0)

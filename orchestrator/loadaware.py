@@ -105,20 +105,24 @@ def mix_slots(flight, work, without):
 class LoadAwarePolicy(Policy):
     """:class:`Policy` with the allocation of every group chosen at its load (module doc)."""
 
-    # Decode: a point of another bucket's front is a candidate for a segment only where its KV
-    # cache holds at least this many sequences of the segment's longest length. The queue
-    # model counts a vPod's sequences as interchangeable slots (:meth:`per_vpod`); where one
-    # longest sequence fills most of the cache it blocks the others - a knapsack, not a queue
-    # of slots - and the model sizes it short (Llama3-8B decode on the LV-Eval-like trace,
-    # 2 h: v5p-1 and v6e-4 groups that hold 1-2 sequences of 393 K tokens, 97.2 % of TPOTs
-    # against 100 %, the misses at the hand-overs between them). The bucket's own front keeps
-    # every point, as before. Under live correction factors (a calibrated pricer whose
-    # version moved) decode keeps to the bucket's own front too: a factor is measured at the
-    # batch a group ran, and another front's wider batch of the same vPods is where a single
-    # factor is least to be trusted (an engine 1.5 ms per sequence per step slower than the
-    # model - tests/orchestrator/test_recalibration.py - is off by far more at b1024 than at
-    # the two dozen sequences it was measured at).
-    OTHER_FRONT_HELD = 2.0
+    # Decode: a point of another bucket's front is a candidate for a segment where its KV
+    # cache holds at least this many sequences of the segment's longest length (1: where one
+    # fits, which the chip model's check asks anyway). It was 2 (a2ba130): Llama3-8B decode on
+    # the LV-Eval-like trace (2 h) met 97.2 % of TPOTs with v5p-1 / v6e-4 groups holding 1-2
+    # sequences of 393 K tokens, read then as a knapsack the queue model misses. The misses
+    # were the simulator parking mispredicted requests at a group still starting; with
+    # requests started on a ready group that holds them (router.routing.ready_group) the same
+    # candidates meet 99.8 %, and a Kaufman-Roberts loss model of the cache
+    # (benchmarks/kv_blocking.py) puts the steady-state blocking of those groups at 0.4-0.7 %
+    # of the load. At 2 it kept Llama3-70B LV-Eval-like decode off a v5p-4 that holds 1.3 of
+    # the longest sequences at half the v5p-8's price (976 -> 1,951 tokens/$ at 1 on 2 h).
+    # Under live correction factors (a calibrated pricer whose version moved) decode keeps to
+    # the bucket's own front: a factor is measured at the batch a group ran, and another
+    # front's wider batch of the same vPods is where a single factor is least to be trusted
+    # (an engine 1.5 ms per sequence per step slower than the model -
+    # tests/orchestrator/test_recalibration.py - is off by far more at b1024 than at the two
+    # dozen sequences it was measured at).
+    OTHER_FRONT_HELD = 1.0
     # The phases whose candidates include other buckets' fronts (prefill keeps its own:
     # :meth:`_candidates`), and the share of a bucket's SLO another front's point must meet
     # its latency within there (1: the SLO itself, as the bucket's own front).
@@ -748,9 +752,9 @@ class LoadAwarePolicy(Policy):
         bucket's front - a smaller vPod, or a wider batch of the same one (Llama3-70B on the
         OpenThoughts-like trace, 2 h: 1.13 -> 1.43 tokens/J; Ideal-at-load prices the same
         set). Decode takes them all (:attr:`OTHER_FRONT_HELD`); prefill keeps its bucket's
-        own front: given the others it came out worse on 4 of 6 two-hour rows measured
-        (Llama3-70B LV-Eval-like cost 2.51 -> 2.35 x 10^5 tokens/$, DeepSeek-V3 LV-Eval-like
-        energy 1.32 -> 1.21 tokens/J); why is not established (the prefill queue model,
+        own front: given the others it came out worse on 3 of 6 two-hour rows and better on
+        one (``benchmarks/decode_candidates.py``: Llama3-70B LV-Eval-like cost 2.51 -> 2.35 x
+        10^5 tokens/$, DeepSeek-V3 LV-Eval-like energy 1.32 -> 1.21 tokens/J); why is not established (the prefill queue model,
         :func:`mix_slack`, on slower points than the fronts' own is the first suspect)."""
         if self._cands is None:
             seen: dict[Alloc, int] = {}
