@@ -395,6 +395,7 @@ class ClusterSim:
         req = self.req
         ttft, tpot, inp_l, out_l, arr_l = req.ttft, req.tpot, req.inp_l, req.out_l, req.arr_l
         e_pre = req.energy_j["prefill"]
+        ready_by = self.fleet.ready_by
         if done:
             self.window.note_duration("prefill", v.group,
                                       max(q.finish_s - q.arrival_s for q in done))
@@ -412,10 +413,11 @@ class ClusterSim:
                 continue
             segs = self._decode_segments(x, y)
             self._observe_decode(req.tb[r], y, segs)     # where the prediction sends it
-            alt = ready_group(self._routing["decode"], segs[0][0], x + 1,
-                              lambda g: bool(self.fleet.ready_by.get(("decode", g))))
-            if alt is not None and alt != segs[0][0]:    # its group has nothing up yet
-                segs = self._path(alt, x, y)
+            if not ready_by.get(("decode", segs[0][0])):   # its group has nothing up yet
+                alt = ready_group(self._routing["decode"], segs[0][0], x + 1,
+                                  lambda g: bool(ready_by.get(("decode", g))))
+                if alt is not None:
+                    segs = self._path(alt, x, y)
             at = q.finish_s + v.kv_transfer_s(x, self._kv_bytes)
             req.dec_start[r] = at
             g, m_end = segs[0]
