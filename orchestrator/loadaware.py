@@ -754,8 +754,9 @@ class LoadAwarePolicy(Policy):
         set). Decode takes them all (:attr:`OTHER_FRONT_HELD`); prefill keeps its bucket's
         own front: given the others it came out worse on 3 of 6 two-hour rows and better on
         one (``benchmarks/decode_candidates.py``: Llama3-70B LV-Eval-like cost 2.51 -> 2.35 x
-        10^5 tokens/$, DeepSeek-V3 LV-Eval-like energy 1.32 -> 1.21 tokens/J); why is not established (the prefill queue model,
-        :func:`mix_slack`, on slower points than the fronts' own is the first suspect)."""
+        10^5 tokens/$, DeepSeek-V3 LV-Eval-like energy 1.32 -> 1.21 tokens/J); why is not
+        established (the prefill queue model, :func:`mix_slack`, on slower points than the
+        fronts' own is the first suspect)."""
         if self._cands is None:
             seen: dict[Alloc, int] = {}
             own: list[list[int]] = [[] for _ in self.edges]

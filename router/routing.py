@@ -173,9 +173,9 @@ def ready_group(table: RoutingTable, group: Hashable, length: int,
     bucket only a group still starting serves - a new length's group, which make-before-break
     gives the buckets no running group was sized for. The predicted length is the least
     reliable thing about a request (§5.1: 60 % accuracy), and waiting minutes for vPods to
-    start costs a short answer its TPOT SLO (Llama3-8B LV-Eval-like decode, 2 h: 2 % of all
-    decode requests parked behind a starting v6e-4 while v5p-1 and v6e-2 groups that held
-    them were up; README, "Routing to a group with nothing up")."""
+    start costs a short answer its TPOT SLO (Llama3-8B LV-Eval-like decode, 2 h: ~2.6 % of
+    its decode requests parked behind a starting v6e-4 while v5p-1 and v6e-2 groups that held
+    them were up; README, "The serving stack" and "Decode candidates from every front")."""
     if ready(group):
         return group
     best = None
