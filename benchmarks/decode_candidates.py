@@ -44,30 +44,31 @@ DECODE_VARIANTS = ("shipped", "own-front", "held:2")
 PREFILL_VARIANTS = ("shipped", "prefill-every-front")
 
 
+def _number(name: str, ok, what: str) -> float:
+    """The number after ``name``'s colon, checked by ``ok`` (ValueError saying ``what``)."""
+    try:
+        x = float(name.split(":", 1)[1])
+    except ValueError:
+        x = float("nan")
+    if not ok(x):
+        raise ValueError(f"{name!r}: {what}")
+    return x
+
+
 def variant_attrs(name: str) -> dict:
     """The policy's class attributes a variant sets (ValueError for an unknown name)."""
     if name == "shipped":
         return {}
     if name == "own-front":
         return {"OTHER_FRONT_PHASES": ()}
-    if name.startswith("held:"):
-        try:
-            k = float(name.split(":", 1)[1])
-        except ValueError:
-            k = float("nan")
-        if not k >= 0.0:
-            raise ValueError(f"{name!r}: the count of sequences must be a number >= 0")
-        return {"OTHER_FRONT_HELD": k}
     if name == "prefill-every-front":
         return {"OTHER_FRONT_PHASES": ("prefill", "decode")}
+    if name.startswith("held:"):
+        return {"OTHER_FRONT_HELD": _number(name, lambda k: k >= 0.0,
+                                            "the count of sequences must be a number >= 0")}
     if name.startswith("margin:"):
-        try:
-            m = float(name.split(":", 1)[1])
-        except ValueError:
-            m = float("nan")
-        if not 0.0 < m <= 1.0:
-            raise ValueError(f"{name!r}: the margin must be a number in (0, 1]")
-        return {"OTHER_FRONT_MARGIN": m}
+        return {"OTHER_FRONT_MARGIN": _number(name, lambda m: 0.0 < m <= 1.0,
+                                              "the margin must be a number in (0, 1]")}
     raise ValueError(f"unknown variant {name!r} (shipped, own-front, held:N, margin:M, "
                      "prefill-every-front)")
 
@@ -91,9 +92,7 @@ def run_one(job: tuple) -> tuple:
         for k, v in saved.items():
             setattr(LoadAwarePolicy, k, v)
     rep = res.reports[r.phase].to_json()
-    vh = rep.get("vpod_hours", {})           # per allocation
-    vh = sum(vh.values()) if isinstance(vh, dict) else float(vh)
-    return (row, variant, rep[r.key], rep["slo_rate"], vh,
+    return (row, variant, rep[r.key], rep["slo_rate"], sum(rep["vpod_hours"].values()),
             time.perf_counter() - t)
 
 
@@ -133,20 +132,16 @@ def main() -> None:
     print("| row | variant | efficiency | SLO | / shipped | vPod-hours | wall s |")
     print("|---|---|---|---|---|---|---|")
     shipped: dict[str, float] = {}
-    results: dict[tuple, tuple] = {}
     try:
         with get_context("spawn").Pool(args.jobs) as pool:
-            for res in pool.imap(run_one, jobs):
-                results[res[:2]] = res
-                if res[1] == "shipped":
-                    shipped[res[0]] = res[2]
-                # print in job order, a row's shipped replay first
-                while jobs and jobs[0][:2] in results:
-                    row, v, eff, slo, vh, wall = results[jobs.pop(0)[:2]]
-                    base = shipped.get(row)
-                    rel = f"{eff / base:.3f}x" if base else "-"
-                    print(f"| {row} | {v} | {eff:.4g} | {slo:.1%} | {rel} | {vh:.1f} | "
-                          f"{wall:.0f} |", flush=True)
+            # in job order (imap), a row's shipped replay first
+            for row, v, eff, slo, vh, wall in pool.imap(run_one, jobs):
+                if v == "shipped":
+                    shipped[row] = eff
+                base = shipped.get(row)
+                rel = f"{eff / base:.3f}x" if base else "-"
+                print(f"| {row} | {v} | {eff:.4g} | {slo:.1%} | {rel} | {vh:.1f} | "
+                      f"{wall:.0f} |", flush=True)
     except NeuScaleError as e:
         sys.exit(f"error: {e}")
 

@@ -161,6 +161,8 @@ def grid_table(out_dir: Path) -> str:
                 f"{_ratio(v['neuscale'][key], v['ideal'][key]):.2f} | "
                 f"{v['neuscale']['slo_rate']:.1%} | {v['neuscale-paper']['slo_rate']:.1%} | "
                 f"{v['base']['slo_rate']:.1%} |")
+    if not n_rows:                   # a sweep-only --out (--no-grid)
+        return ""
     rows.append("")
     for p, label in (("neuscale", "NeuScale"), ("neuscale-paper", "NeuScale (paper rule)")):
         rows.append(f"Geometric means over {n_rows} rows, {label} over Base: energy efficiency "
@@ -325,9 +327,9 @@ def main() -> None:
             except ValueError as e:          # a kept JSON --rerun cannot extend
                 pool.terminate()
                 ap.exit(2, f"error: {e}\n")
-    if any(json.loads(f.read_text()).get("kind", "grid") == "grid"
-           for f in out.glob("*.json")):
-        print(grid_table(out))
+    grid = grid_table(out)
+    if grid:
+        print(grid)
         print()
     print(sweep_table(out))
     p = plot_sweep(out)
