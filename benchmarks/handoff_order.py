@@ -3,7 +3,9 @@ a row (the simulator fix of commit 835d58d), measured against the simulator as i
 
 The cluster simulator advances its engines in 10-s slices, so an engine learns of finished
 requests only at a slice's end. ``as-shipped``: a slice's hand-offs reach decode sorted by
-arrival and a PP vPod's virtual engines take a request by the unfinished work they hold.
+arrival and a PP vPod's virtual engines take a request as :meth:`sim.vpod.VPodEngines.choose`
+does now (decode: by projected batch slots since ``benchmarks/decode_slots.py``; by the
+unfinished work they hold when this benchmark was written).
 ``as-before`` (patched in for this run only): hand-offs given prefill vPod after prefill vPod,
 virtual engines chosen by their count of unfinished requests. Prints, per policy and variant,
 the row's efficiency and SLO rate (the SLO rate is where the artefact shows: answers that wait
@@ -42,7 +44,7 @@ def _advance_unsorted(self, t_next: float) -> None:
             self._decode_done(v, v.engine.advance_to(t_next))
 
 
-def _choose_by_count(self, prompt: int, output: int) -> int:
+def _choose_by_count(self, prompt: int, output: int, arrival_s: float | None = None) -> int:
     loads = self.loads
     return loads.index(min(loads))
 

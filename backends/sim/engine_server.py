@@ -356,11 +356,11 @@ class EngineServer:
 
     def _submit(self, phase: str, r: _Req, arrival_s: float, prompt: int, output: int):
         """Submit to the phase's engines; returns (engine, record) (the engine that
-        :meth:`VPodEngines.submit` picks: the one with the least unfinished work)."""
+        :meth:`VPodEngines.choose` picks at the arrival: the one that can start it first)."""
         ve = self._engines_for(phase)
-        k = ve.choose(prompt, output)
+        k = ve.choose(prompt, output, arrival_s)
         eid = next(self._ids)
-        rec = ve.submit(eid, arrival_s, prompt, output)
+        rec = ve.submit_to(k, eid, arrival_s, prompt, output)
         self._owner[eid] = r
         return ve.engines[k], rec
 

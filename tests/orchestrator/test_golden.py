@@ -15,7 +15,9 @@ energy; its decode 0.63x the energy; the emergency rule on a group's aggregated 
 over its vPods, as §3.4 says, not one vPod's), planned between epochs once per start-up, moved 6
 values of the Mooncake case, none of the conversation case: the quota-starved prefill starts 3
 fail-over v4 vPods instead of 1 - 1.6x the v4 vPod-hours, 4 % more prefill energy, the same 27.0 %
-SLO rate). Integers and strings must match exactly; floats to 1e-9 relative (the
+SLO rate; a PP decode vPod's virtual engines chosen by projected batch slots
+(``sim.vpod.VPodEngines._slot_at``) moved 2 values of the Mooncake case: its decode energy
+-0.36 %). Integers and strings must match exactly; floats to 1e-9 relative (the
 database is rebuilt on each machine: XLA's counts and the fits may differ in the last bits, and
 pricing is one formula now, which rounds differently in the last bit)."""
 import json

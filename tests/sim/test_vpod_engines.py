@@ -34,6 +34,56 @@ def test_a_short_answer_does_not_queue_behind_a_long_one():
     assert ve.work == [0, 0] and ve.loads == [0, 0]
 
 
+def test_a_decode_request_takes_a_free_slot_that_stale_work_counts_hide():
+    """Two batch-1 virtual engines and one slice (the driver advances them only at its end): a
+    300-token answer starts on the first, then short answers arrive one after another, each
+    after the one before has finished. The work counted since the slice began grows on the
+    second engine until it passes the long answer's, and the rule before sent the next short
+    answer behind the long one; the projected ends of what each engine was given
+    (:meth:`VPodEngines._slot_at`) see the second engine free, and every short answer runs
+    as fast as it does alone. Without an arrival time :meth:`VPodEngines.choose` keeps the
+    work rule (the premise)."""
+    def alone_s(o: int) -> float:
+        e = DecodeEngine(affine(), max_batch=1)
+        q = e.submit(0, 0.0, 100, o)
+        e.advance_to(1e6)
+        return q.finish_s
+
+    d5 = alone_s(5)
+    ve = two_batch1_decoders()
+    long_ = ve.submit("long", 0.0, 100, 500)
+    assert alone_s(500) > 110 * 1.05 * d5                # the long one outlasts the shorts
+    shorts, stale = [], 0
+    for i in range(110):
+        if ve.work[1] >= ve.work[0]:                     # stale work picks the long one's
+            assert ve.choose(100, 5) == 0
+            stale += 1
+        shorts.append(ve.submit(i, (i + 1) * 1.05 * d5, 100, 5))
+    assert stale > 0 and ve.loads == [1, 110]            # the premise; all on the free one
+    ve.advance_to(1e6)
+    assert all(r.finish_s is not None for r in shorts) and long_.finish_s is not None
+    assert max(r.finish_s - r.arrival_s for r in shorts) == pytest.approx(d5, rel=0.05)
+    assert ve.work == [0, 0] and ve.loads == [0, 0]
+
+
+def test_a_full_decode_engine_takes_the_next_request_when_its_first_slot_frees():
+    """Both batch-2 engines full: the request goes to the engine whose earliest projected end
+    comes first - the one holding more work (the rule before picked the other) but a short
+    answer - and runs without waiting for a long one."""
+    ve = VPodEngines([DecodeEngine(affine(), max_batch=2) for _ in range(2)])
+    ve.submit_to(0, "a", 0.0, 100, 100)
+    ve.submit_to(0, "c", 0.0, 100, 100)
+    ve.submit_to(1, "b", 0.0, 100, 20)
+    ve.submit_to(1, "d", 0.0, 100, 400)
+    assert ve.work == [200, 420] and ve.choose(100, 10) == 0      # work: the first
+    assert ve._slot_at(1, 0.0) < ve._slot_at(0, 0.0)             # "b" ends first
+    assert ve.choose(100, 10, 0.0) == 1
+    e = ve.submit("e", 0.0, 100, 10)
+    recs = {r.req_id: r for r in ve.advance_to(1e6)}
+    assert e.finish_s < recs["a"].finish_s                      # it did not wait for a or c
+    assert e.finish_s - recs["b"].finish_s < 0.5 * (recs["a"].finish_s - recs["b"].finish_s)
+
+
 def test_work_is_prompt_tokens_for_prefill_and_given_back_on_abort():
     ve = VPodEngines([PrefillEngine(affine(1 << 16), max_batch=1) for _ in range(2)])
     ve.submit(0, 0.0, 3000, 1)
