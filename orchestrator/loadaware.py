@@ -39,8 +39,10 @@ at the throughput of one bucket. Both go wrong away from full load:
   waits in their cycles, not its own): a prefill vPod is one server (a step takes what
   waits when it starts; a pipelined one takes a prompt per cycle, a stage's share of its
   latency, so its slack is counted in cycles) and prefill vPods share one queue (a prompt
-  goes where it can start first); a decode vPod is its batch's slots, a queue of its own (a request
-  holds its slot to the end). A one-slot vPod with little slack must idle a lot, a large batch
+  goes where it can start first); a decode vPod is its batch's slots, and a group's decode
+  vPods share one queue too (a request holds its slot to the end, but the routers give it to
+  a vPod with a slot free while one has: :func:`router.routing.free_slot_first`,
+  :attr:`LoadAwarePolicy.POOLED_DECODE`). A one-slot vPod with little slack must idle a lot, a large batch
   runs nearly full, and the choice prices candidates the same way, so an allocation with no
   slack, or a tiny batch, loses to one that has them. Decode
   likewise, with no slack: a request waiting for a batch slot spreads the wait over its tokens,
@@ -129,6 +131,13 @@ class LoadAwarePolicy(Policy):
     # ``benchmarks/decode_candidates.py`` replays rows with each of these changed.
     OTHER_FRONT_PHASES = ("decode",)
     OTHER_FRONT_MARGIN = 1.0
+    # Decode: a group's vPods are one queue of all their batch slots (Erlang C over n x k
+    # servers), as prefill's are - the routers send an answer to a vPod with a free slot
+    # when one has (the gateway counts each vPod's requests in flight; the simulator the
+    # projected ends of what it gave; router.routing.free_slot_first), so it waits
+    # only when every slot of the group is taken. False: every vPod its own queue with 1/n
+    # of the load (the rule before, right for a router that splits blindly).
+    POOLED_DECODE = True
 
     def __init__(self, db: BestFitDB, phase: str, config: PolicyConfig = PolicyConfig(),
                  pricer: Pricer | None = None, latency_fn=None):
@@ -158,6 +167,11 @@ class LoadAwarePolicy(Policy):
         self._need: dict[str, int] = {}        # per group: vPods its last epoch's peak needs
         self._priced_at = getattr(pricer, "version", 0)   # a calibrated pricer's factors
         self._inherited: dict[str, int] = {}   # per group: capacity taken over this plan
+
+    @property
+    def _pooled(self) -> bool:
+        """Whether a group's vPods are one queue in the sizing (:attr:`POOLED_DECODE`)."""
+        return self.phase == "prefill" or self.POOLED_DECODE
 
     def plan(self, obs: Observation, state: PolicyState | None = None) -> Plan:
         """:meth:`Policy.plan`, after dropping prices cached before the live correction
@@ -269,7 +283,7 @@ class LoadAwarePolicy(Policy):
         costs = [self.pricer.cost(a, self.phase, self.edges[i]) for i in buckets]
         rates = load.matrix(buckets).mean(axis=0)
         self._slack[g] = (self.queue_slack(costs, buckets, rates, gated_depth(a)),
-                          self.per_vpod(costs, buckets, rates), self.phase == "prefill")
+                          self.per_vpod(costs, buckets, rates), self._pooled)
         self._tol[g] = self.slack(costs, buckets)
         self._ahead[g] = self._ahead_of(costs[-1].startup_s)
         t_ref = costs[-1].throughput_tok_per_s
@@ -559,7 +573,7 @@ class LoadAwarePolicy(Policy):
         return cost_per_s(costs, window, [float(x) for x in mean], self.metric,
                           self.queue_slack(costs, seg, mean, depth),
                           self.per_vpod(costs, seg, mean),
-                          self.phase == "prefill", recent=self._n_epoch,
+                          self._pooled, recent=self._n_epoch,
                           ahead=self._ahead_of(costs[-1].startup_s))
 
     def _partition(self, buckets: list[int], window: np.ndarray, mean: np.ndarray,
@@ -648,7 +662,7 @@ class LoadAwarePolicy(Policy):
             else:
                 q = 0.0
             k = int(front["per_vpod"][r]) if prefill else int(slots[r, i])
-            n = servers_for_window(series[:, r, i], q, k, prefill,
+            n = servers_for_window(series[:, r, i], q, k, self._pooled,
                                    recent=self._n_epoch, ahead=float(front["ahead"][r]))
             cost = n * float(static[r, 0]) + float(dj[r, i])
             if float(base[0, i]) + cost < best[j + 1]:

@@ -69,7 +69,8 @@ from .openai_api import (CHAT, COMPLETIONS, DEFAULT_COMPLETION_MAX_TOKENS, PATHS
                          internal_error, models_response, no_vpod, parse_request, unauthorized,
                          upstream_error, usage_json)
 from .predict import LengthPredictor, MedianPredictor
-from .routing import RoutingTable, crossed_bucket, least_loaded, ready_group, should_migrate
+from .routing import (RoutingTable, crossed_bucket, free_slot_first, least_loaded, ready_group,
+                      should_migrate)
 from .upstream import EngineClient, UpstreamFailure, UpstreamRejected
 
 log = logging.getLogger("neuscale.gateway")
@@ -758,6 +759,11 @@ class Gateway:
             return 0.0
         return ld.tokens / max(ep.throughput_tok_per_s, 1e-9) + ld.requests / max(ep.max_batch, 1)
 
+    def _held(self, ep: Endpoint) -> float:
+        """The share of ``ep``'s batch slots its requests in flight take."""
+        ld = self._loads.get(ep.vpod_id)
+        return 0.0 if ld is None else ld.requests / max(ep.max_batch, 1)
+
     def _acquire(self, ep: Endpoint, tokens: float) -> None:
         ld = self._loads.get(ep.vpod_id)
         if ld is None:
@@ -796,8 +802,10 @@ class Gateway:
     async def _pick(self, phase: str, f: _Flight, excluded: set[str],
                     http_req: web.Request | None, failover: bool
                     ) -> tuple[Hashable, Endpoint]:
-        """The least-loaded vPod of the request's group (after a failure: of the group, else of
-        the longer groups), waiting for starting vPods up to ``wait_for_vpod_s``."""
+        """The least-loaded vPod of the request's group (decode: of its vPods with a batch
+        slot free, if any - :func:`router.routing.free_slot_first`; after a failure: of the
+        group, else of the longer groups), waiting for starting vPods up to
+        ``wait_for_vpod_s``."""
         deadline = None
         while True:
             t = self._targets
@@ -833,7 +841,8 @@ class Gateway:
                         now = _now()
                         cands = [e for e in cands if self._bad_until.get(e.vpod_id, 0) <= now] \
                             or cands
-                    ep = least_loaded(cands, self._load_of)
+                    ep = (least_loaded(cands, self._load_of) if phase == "prefill" else
+                          free_slot_first(cands, self._held, self._load_of))
                 else:
                     ep = cands[0]
                 self.metrics.routed_to(phase, g)

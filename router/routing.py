@@ -99,6 +99,21 @@ def least_loaded(vpods: Iterable[T], load: Callable[[T], float]) -> T:
         raise NeuScaleError("no vPod in the group") from None
 
 
+def free_slot_first(vpods: Iterable[T], held: Callable[[T], float],
+                    load: Callable[[T], float]) -> T:
+    """Decode: the vPod with the smallest ``load`` among those with a batch slot free
+    (``held(vpod)`` < 1, the share of its slots its requests in flight take), else among all
+    (ties: the first). An answer then waits only when every vPod of its group is full - the
+    queue the load-aware policy sizes a decode group by (all its slots pooled:
+    ``LoadAwarePolicy.POOLED_DECODE``). The least load alone can pick a full vPod whose
+    answers are short over one with slots free and longer ones. The gateway counts a vPod's
+    requests in flight as they start and finish; the cluster simulator projects them from
+    what it gave the engines (``sim.vpod.VPodEngines.held_share``)."""
+    vpods = list(vpods)
+    free = [v for v in vpods if held(v) < 1.0]
+    return least_loaded(free or vpods, load)
+
+
 def handing_over(routing: RoutingTable | None, planned: RoutingTable | None) -> set[Hashable]:
     """Groups that ``routing`` (the table in force, :func:`make_before_break`'s) still sends a
     bucket that ``planned`` gives to another group: hand-offs waiting for the taker to be up.

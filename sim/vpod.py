@@ -37,7 +37,7 @@ class VPodEngines:
     PP16, 5 req/s: TPOT p99 0.38 s by count, 25 ms by work, 27 ms with counts exact at every
     arrival). The work a request brings (the rule after that) kept a light load near the exact
     choice but not a busy one; the projected ends of what each engine was given do
-    (:meth:`_slot_at`: ``benchmarks/decode_slots.py``)."""
+    (:meth:`_slot_at`; ``benchmarks/decode_slots.py``)."""
 
     def __init__(self, engines: list, depth: int = 1):
         """``depth``: the pipeline's stages when ``engines`` are a PP vPod's batch-1 prefill
@@ -66,8 +66,7 @@ class VPodEngines:
         # decode over several virtual engines: each one's unfinished requests' projected ends
         # (a min-heap per engine; see :meth:`_slot_at`), and the full micro-batch's step time
         # by KV length class (:meth:`_decode_step_s`)
-        self._ends: list[list[float]] | None = (
-            [[] for _ in engines] if len(engines) > 1 and not self._prefill else None)
+        self._ends: list[list[float]] | None = None if self._prefill else [[] for _ in engines]
         self._step: dict[int, float] = {}
 
     def _work_of(self, r) -> int:
@@ -186,7 +185,7 @@ class VPodEngines:
             f = self.free_at
             return min(range(len(f)), key=lambda k: (max(f[k], arrival_s), loads[k]))
         work = self.work
-        if self._ends is not None and arrival_s is not None:
+        if arrival_s is not None and self._ends is not None:
             # decode: an engine with a free slot at this arrival (the fewest unfinished
             # requests), else the one whose slot frees first (:meth:`_slot_at`)
             return min(range(len(work)),
@@ -214,6 +213,22 @@ class VPodEngines:
             heapq.heappop(h)
         n, cap = len(h), self.engines[k].max_batch
         return at_s if n < cap else heapq.nsmallest(n - cap + 1, h)[-1]
+
+    def held_share(self, at_s: float) -> float:
+        """Decode: the share of the vPod's batch slots that the projected ends of what its
+        engines were given (:meth:`_slot_at`) hold at ``at_s`` (above 1 with a queue) - what
+        a router that knows each vPod's unfinished requests at every arrival compares."""
+        n = 0
+        for h in self._ends:
+            while h and h[0] <= at_s:
+                heapq.heappop(h)
+            n += len(h)
+        return n / max(1, self.slots)
+
+    @property
+    def slots(self) -> int:
+        """The batch slots of all the vPod's engines."""
+        return sum(e.max_batch for e in self.engines)
 
     def _decode_step_s(self, kv: int) -> float:
         """A decode engine's step at its full micro-batch with every sequence at ``kv``

@@ -9,8 +9,10 @@ does (:mod:`orchestrator.cluster.fleet`).
 
 Time advances in slices of ``sample_s`` (10 s): life-cycle transitions; arrivals of the slice
 are routed (prefill: the vPod of the request's group with an engine free soonest at its
-arrival, then the least projected work, :meth:`sim.vpod.VPodEngines.backlog_s`; decode: the
-least-loaded by outstanding tokens) and submitted at their exact arrival times; prefill engines advance to the slice end; finished prefills move
+arrival, then the least projected work, :meth:`sim.vpod.VPodEngines.backlog_s`; decode: of
+the vPods with a batch slot free at its arrival, the least outstanding tokens,
+:func:`router.routing.free_slot_first` on the projected ends of what each vPod's engines
+were given, :meth:`sim.vpod.VPodEngines.held_share`) and submitted at their exact arrival times; prefill engines advance to the slice end; finished prefills move
 their KV to a decode vPod over DCN and join it when the transfer ends; decode engines advance;
 the slice's per-bucket token rates and per-group aggregated queues (its vPods' waiting requests
 and its router queue) go into the window. Requests routed to a group with no ready vPod wait at
@@ -38,8 +40,8 @@ from dse.db import BestFitDB
 from dse.errors import NeuScaleError
 from dse.models import ModelArch
 from dse.vpod import VPodState
-from router.routing import (MIGRATE_FACTOR, RoutingTable, bucket_indices, handing_over,
-                            least_loaded, make_before_break, ready_group, should_migrate)
+from router.routing import (MIGRATE_FACTOR, RoutingTable, bucket_indices, free_slot_first,
+                            handing_over, make_before_break, ready_group, should_migrate)
 from sim.lifecycle import STATS_QUERY_S
 from sim.stepcost import StepCostTable
 from sim.vpod import TableCache, engine_batch
@@ -558,7 +560,7 @@ class ClusterSim:
             # below learns of finishes only at a slice's end, which made it round-robin)
             v = soonest(vs, at_s)
         else:
-            v = least_loaded(vs, load)
+            v = free_slot_first(vs, lambda x: x.engine.held_share(at_s), load)
         tokens = inp if phase == "prefill" else out
         v.outstanding += tokens
         try:

@@ -34,7 +34,7 @@ def test_uses_the_production_policy_and_routing():
     assert simulator.Policy is orchestrator.policy.Policy
     assert simulator.RoutingTable is router.routing.RoutingTable
     assert simulator.should_migrate is router.routing.should_migrate
-    assert simulator.least_loaded is router.routing.least_loaded
+    assert simulator.free_slot_first is router.routing.free_slot_first
 
 
 def test_every_request_is_served_and_accounted(db):

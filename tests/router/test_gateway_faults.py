@@ -210,6 +210,45 @@ def test_a_decode_request_whose_group_is_starting_runs_on_a_ready_group_that_hol
                                     extra_body={"ignore_eos": True})
 
 
+def test_a_decode_request_goes_to_a_vpod_with_a_free_slot(rig, lt):
+    """Two decode vPods of 2 slots: b holds one long answer, a two short ones (full). The
+    least load (work in seconds plus the share of slots held) picks a; the gateway sends the
+    next answer to b, which has a slot free (routing.free_slot_first) - it waits only when
+    every vPod of the group is full, the queue the load-aware policy sizes decode by."""
+    import threading
+
+    r = rig()
+    a = r.engine("a", tick_s=0.005, per_tick=2)
+    b = r.engine("b", tick_s=0.005, per_tick=2)
+    eps = {("decode", "A"): [Endpoint("b", b.url, max_batch=2), Endpoint("a", a.url,
+                                                                          max_batch=2)]}
+    lt.call(r.gw.set_targets, {"decode": RoutingTable.build({0: "A"})}, eps, set())
+
+    def ask(n):
+        r.client.completions.create(model="m", prompt=PROMPT, max_tokens=n,
+                                    extra_body={"ignore_eos": True})
+
+    def until(cond):
+        t0 = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=ask, args=(2000,))]
+    threads[0].start()
+    until(lambda: b.running == 1)                   # ties: the first endpoint
+    for _ in range(2):
+        threads.append(threading.Thread(target=ask, args=(300,)))
+        threads[-1].start()
+    until(lambda: a.running == 2)
+    ep_a, ep_b = eps[("decode", "A")][1], eps[("decode", "A")][0]
+    assert lt.call(r.gw._load_of, ep_a) < lt.call(r.gw._load_of, ep_b)   # a looks lighter
+    ask(50)
+    assert len(b.bodies) == 2 and len(a.bodies) == 2
+    for t in threads:
+        t.join()
+
+
 class Broken:
     def predict(self, prompt, prompt_tokens):
         raise RuntimeError("model not loaded")

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from dse import SEQ_BUCKETS, NeuScaleError
-from router.routing import (RoutingTable, bucket_indices, crossed_bucket, handing_over,
-                            least_loaded, make_before_break, should_migrate)
+from router.routing import (RoutingTable, bucket_indices, crossed_bucket, free_slot_first,
+                            handing_over, least_loaded, make_before_break, should_migrate)
 
 
 def table():
@@ -39,6 +39,17 @@ def test_least_loaded_and_reprediction():
         least_loaded([], len)
     t = table()
     assert crossed_bucket(t, 127, 129) and not crossed_bucket(t, 129, 200)
+
+
+def test_free_slot_first_prefers_a_vpod_with_room_over_a_lighter_full_one():
+    held = {"a": 1.0, "b": 0.5, "c": 0.9}          # a full, b and c with a slot free
+    load = {"a": 0.1, "b": 3.0, "c": 2.0}
+    assert least_loaded(held, load.__getitem__) == "a"
+    assert free_slot_first(held, held.__getitem__, load.__getitem__) == "c"
+    full = {"a": 1.0, "b": 1.5}                     # none free: the least load
+    assert free_slot_first(full, full.__getitem__, load.__getitem__) == "a"
+    with pytest.raises(NeuScaleError):
+        free_slot_first([], len, len)
 
 
 def test_migrate_past_twice_the_best_fit_length():

@@ -84,6 +84,19 @@ def test_a_full_decode_engine_takes_the_next_request_when_its_first_slot_frees()
     assert e.finish_s - recs["b"].finish_s < 0.5 * (recs["a"].finish_s - recs["b"].finish_s)
 
 
+def test_held_share_counts_the_slots_projected_busy_at_a_time():
+    """One batch-4 engine given three answers at t=0: three quarters of its slots held until
+    the shortest is projected to end, none once the longest is - without advancing it."""
+    ve = VPodEngines([DecodeEngine(affine(), max_batch=4)])
+    for i, o in enumerate((10, 50, 200)):
+        ve.submit(i, 0.0, 100, o)
+    step = ve._decode_step_s(100 + 25)
+    assert ve.slots == 4 and ve.held_share(0.0) == 0.75
+    assert ve.held_share(20 * step) == 0.5
+    assert ve.held_share(250 * ve._decode_step_s(200)) == 0.0
+    assert ve.loads == [3]                              # the engine itself not advanced
+
+
 def test_work_is_prompt_tokens_for_prefill_and_given_back_on_abort():
     ve = VPodEngines([PrefillEngine(affine(1 << 16), max_batch=1) for _ in range(2)])
     ve.submit(0, 0.0, 3000, 1)
