@@ -68,6 +68,8 @@ class VPodEngines:
         # by KV length class (:meth:`_decode_step_s`)
         self._ends: list[list[float]] | None = None if self._prefill else [[] for _ in engines]
         self._step: dict[int, float] = {}
+        self._cap = engines[0].max_batch if engines else 1      # one engine's batch slots
+        self.slots = self._cap * len(engines)                   # the vPod's
 
     def _work_of(self, r) -> int:
         return r.prompt_tokens if self._prefill else r.output_tokens
@@ -185,11 +187,21 @@ class VPodEngines:
             f = self.free_at
             return min(range(len(f)), key=lambda k: (max(f[k], arrival_s), loads[k]))
         work = self.work
-        if arrival_s is not None and self._ends is not None:
+        ends = self._ends
+        if arrival_s is not None and ends is not None:
             # decode: an engine with a free slot at this arrival (the fewest unfinished
-            # requests), else the one whose slot frees first (:meth:`_slot_at`)
+            # requests, then the least work), else the one whose slot frees first
+            # (:meth:`_slot_at`)
+            cap, best, pick = self._cap, None, -1
+            for k, h in enumerate(ends):
+                while h and h[0] <= arrival_s:
+                    _heappop(h)
+                if len(h) < cap and (best is None or (len(h), work[k]) < best):
+                    best, pick = (len(h), work[k]), k
+            if pick >= 0:
+                return pick
             return min(range(len(work)),
-                       key=lambda k: (self._slot_at(k, arrival_s), len(self._ends[k]), work[k]))
+                       key=lambda k: (self._slot_at(k, arrival_s), len(ends[k]), work[k]))
         return min(range(len(work)), key=lambda k: (work[k], loads[k]))
 
     def _slot_at(self, k: int, at_s: float) -> float:
@@ -210,25 +222,26 @@ class VPodEngines:
         full micro-batch, an upper bound: an engine looks busier than it is, never freer."""
         h = self._ends[k]
         while h and h[0] <= at_s:
-            heapq.heappop(h)
-        n, cap = len(h), self.engines[k].max_batch
+            _heappop(h)
+        n, cap = len(h), self._cap
         return at_s if n < cap else heapq.nsmallest(n - cap + 1, h)[-1]
 
     def held_share(self, at_s: float) -> float:
         """Decode: the share of the vPod's batch slots that the projected ends of what its
         engines were given (:meth:`_slot_at`) hold at ``at_s`` (above 1 with a queue) - what
         a router that knows each vPod's unfinished requests at every arrival compares."""
-        n = 0
-        for h in self._ends:
+        ends = self._ends
+        if len(ends) == 1:
+            h = ends[0]
             while h and h[0] <= at_s:
-                heapq.heappop(h)
+                _heappop(h)
+            return len(h) / self.slots
+        n = 0
+        for h in ends:
+            while h and h[0] <= at_s:
+                _heappop(h)
             n += len(h)
-        return n / max(1, self.slots)
-
-    @property
-    def slots(self) -> int:
-        """The batch slots of all the vPod's engines."""
-        return sum(e.max_batch for e in self.engines)
+        return n / self.slots
 
     def _decode_step_s(self, kv: int) -> float:
         """A decode engine's step at its full micro-batch with every sequence at ``kv``
@@ -384,6 +397,7 @@ class TableCache:
         return len(self._tables)
 
 
+_heappop = heapq.heappop
 _TOUCH_S = 1e-9      # reservations closer than this are one block (VPodEngines._reserve)
 
 
