@@ -63,9 +63,10 @@ class VPodEngines:
         # prompts wait for it (a search is then over its gaps, not its prompts)
         self._stage: list[tuple[float, float]] = []
         self._soon: tuple[float, float, float] | None = None   # soonest_start(), until a submit
-        # decode over several virtual engines: each one's unfinished requests' projected ends
-        # (a min-heap per engine; see :meth:`_slot_at`), and the full micro-batch's step time
-        # by KV length class (:meth:`_decode_step_s`)
+        # decode: each engine's unfinished requests' projected ends (a min-heap per engine;
+        # :meth:`_slot_at`, :meth:`held_share` - which pop the passed ones inline, a hot
+        # path), and the full micro-batch's step time by KV length class
+        # (:meth:`_decode_step_s`)
         self._ends: list[list[float]] | None = None if self._prefill else [[] for _ in engines]
         self._step: dict[int, float] = {}
         self._cap = engines[0].max_batch if engines else 1      # one engine's batch slots
@@ -205,7 +206,7 @@ class VPodEngines:
         return min(range(len(work)), key=lambda k: (work[k], loads[k]))
 
     def _slot_at(self, k: int, at_s: float) -> float:
-        """Decode, several virtual engines: when engine ``k`` has a batch slot for a request
+        """Decode: when engine ``k`` has a batch slot for a request
         arriving at ``at_s`` - at once if it holds fewer unfinished requests than its batch,
         else when the first of those ahead finishes, by their projected ends (each admitted
         at its own slot, then ``output - 1`` steps at the full micro-batch's step time).
