@@ -218,7 +218,7 @@ def test_a_decode_request_goes_to_a_vpod_with_a_free_slot(rig, lt):
     import threading
 
     r = rig()
-    a = r.engine("a", tick_s=0.005, per_tick=2)
+    a = r.engine("a", tick_s=0.05, per_tick=1)     # slow: its short answers stay in flight
     b = r.engine("b", tick_s=0.005, per_tick=2)
     eps = {("decode", "A"): [Endpoint("b", b.url, max_batch=2), Endpoint("a", a.url,
                                                                           max_batch=2)]}
@@ -238,7 +238,7 @@ def test_a_decode_request_goes_to_a_vpod_with_a_free_slot(rig, lt):
     threads[0].start()
     until(lambda: b.running == 1)                   # ties: the first endpoint
     for _ in range(2):
-        threads.append(threading.Thread(target=ask, args=(300,)))
+        threads.append(threading.Thread(target=ask, args=(100,)))   # ~5 s each on a
         threads[-1].start()
     until(lambda: a.running == 2)
     ep_a, ep_b = eps[("decode", "A")][1], eps[("decode", "A")][0]
