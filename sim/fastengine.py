@@ -364,6 +364,13 @@ class DecodeEngine(_FastBase):
         self._line = getattr(cost, "decode_line", None) or (
             lambda n, k0, k1: step(0.0, 0.0, n, k0) + step(0.0, 0.0, n, k1))
 
+    def full_batch_step_s(self, kv_tokens: float) -> float:
+        """One decode step of a full batch, every sequence at ``kv_tokens`` of KV: the
+        longest a step of sequences that short takes (what a router projecting when a slot
+        frees may assume; :meth:`sim.vpod.VPodEngines._slot_at`)."""
+        b = float(self.max_batch)
+        return self._step(0.0, 0.0, b, b * float(kv_tokens))[0]
+
     def submit(self, req_id: Hashable, arrival_s: float, prompt_tokens: int,
                output_tokens: int) -> FastRequest:
         """A request whose prompt KV and first token arrive at ``arrival_s``."""

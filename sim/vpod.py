@@ -231,14 +231,8 @@ class VPodEngines:
         """Decode: the share of the vPod's batch slots that the projected ends of what its
         engines were given (:meth:`_slot_at`) hold at ``at_s`` (above 1 with a queue) - what
         a router that knows each vPod's unfinished requests at every arrival compares."""
-        ends = self._ends
-        if len(ends) == 1:
-            h = ends[0]
-            while h and h[0] <= at_s:
-                _heappop(h)
-            return len(h) / self.slots
         n = 0
-        for h in ends:
+        for h in self._ends:
             while h and h[0] <= at_s:
                 _heappop(h)
             n += len(h)
@@ -250,9 +244,7 @@ class VPodEngines:
         c = max(1, int(kv)).bit_length()
         got = self._step.get(c)
         if got is None:
-            e = self.engines[0]
-            b = float(e.max_batch)
-            got = self._step[c] = e._step(0.0, 0.0, b, b * float(1 << c))[0]
+            got = self._step[c] = self.engines[0].full_batch_step_s(1 << c)
         return got
 
     def submit(self, req_id, arrival_s: float, prompt: int, output: int):
